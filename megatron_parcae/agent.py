@@ -1,0 +1,273 @@
+"""The agent: every training process's link to the job's state in etcd.
+
+The training loop must never wait on etcd, so the agent does its network work on
+background threads and the loop only reads and writes in-memory state:
+
+    agent = ParcaeAgent(client, job, worker_id, grace_seconds=30, lease_seconds=10)
+    agent.start()                          # from the main thread: registers, installs SIGTERM handler
+    while training:
+        if agent.fenced:                   # lease lost (stalled too long, or fenced by the coordinator)
+            break                          # exit without touching the job's state
+        plan = agent.pending_plan()        # newest plan newer than what this process runs
+        if plan is not None:
+            ...apply plan.layout / plan.migration at this iteration boundary...
+            agent.acknowledge(plan.generation)
+        ...one iteration...
+        agent.report_step(iteration, seconds, consumed_samples)
+    agent.stop()                           # deregisters: the member key disappears at once
+
+SIGTERM (a cloud preemption notice or SLURM preemption) does not stop the process: the
+handler records the time and the agent publishes a notice whose deadline is that time
+plus `grace_seconds`, so the coordinator can move this process's state away before the
+SIGKILL. The training loop can read `notice_received` / `notice_deadline`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import socket
+import threading
+import time
+
+from megatron_parcae.etcd.client import EtcdClient, EtcdError, KeptLease, Watch
+from megatron_parcae.etcd.keys import JobStore, MemberRecord, NoticeRecord, PlanEnvelope, SchemaError, StepReport
+
+log = logging.getLogger(__name__)
+
+REPORT_INTERVAL_S = 1.0  # step reports are averaged and published at most this often
+
+
+class AgentError(RuntimeError):
+    """The agent cannot join the job (the message says why)."""
+
+
+@dataclasses.dataclass
+class _StepWindow:
+    """Steps measured since the last published report."""
+
+    seconds: float = 0.0
+    count: int = 0
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class ParcaeAgent:
+    """Membership, preemption notices, plan delivery and step reports of one process."""
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        job: str,
+        worker_id: int,
+        grace_seconds: float,
+        lease_seconds: float,
+        instance: str | None = None,
+    ) -> None:
+        if not grace_seconds >= 0 or not lease_seconds > 0:
+            raise ValueError(f"grace_seconds must be >= 0 and lease_seconds > 0, got {grace_seconds}, {lease_seconds}")
+        self._client = client
+        self._store = JobStore(client, job)
+        self.worker_id = worker_id
+        self.grace_seconds = grace_seconds
+        self.lease_seconds = lease_seconds
+        self._member = MemberRecord(worker_id, instance or socket.gethostname(), os.getpid(), time.time(), 0)
+        self._member.encode()  # refuse a bad worker id or instance name now, not on a thread
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._lease: KeptLease | None = None
+        self._watch: Watch | None = None
+        self._thread: threading.Thread | None = None
+        self._previous_sigterm = None
+        self._current = 0  # generation this process runs: applied, or current when it joined
+        self._pending: PlanEnvelope | None = None
+        self._member_dirty = False
+        self._fenced = False
+        self._notice_at: float | None = None
+        self._notice_posted = False
+        self._steps = _StepWindow()
+        self._last_report_at = -math.inf
+        self.last_error: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Register (waiting up to two lease periods for a dead predecessor's lease to
+        expire), then start the background threads and the SIGTERM handler."""
+        if self._lease is not None:
+            raise AgentError("the agent was already started")
+        if threading.current_thread() is not threading.main_thread():
+            raise AgentError("ParcaeAgent.start() must run in the main thread (Python installs signal handlers only there)")
+        self._lease = KeptLease(self._client, self.lease_seconds, on_lost=self._on_lease_lost)
+        try:
+            self._current = self._register(self._lease.id)
+        except BaseException:
+            self._lease.revoke()
+            self._lease = None
+            raise
+        self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._thread = threading.Thread(target=self._run, name=f"parcae-agent {self.worker_id}", daemon=True)
+        self._thread.start()
+        self._watch = self._client.watch(self._store.keys.generation, self._on_generation_change)
+        log.info("worker %d joined job %s at generation %d", self.worker_id, self._store.keys.job, self._current)
+
+    def _register(self, lease: int) -> int:
+        deadline = time.monotonic() + 2 * self.lease_seconds
+        while (generation := self._store.register_member(self._member, lease)) is None:
+            if time.monotonic() > deadline:
+                raise AgentError(
+                    f"worker id {self.worker_id} is already registered in job {self._store.keys.job!r} "
+                    f"by a live process (key {self._store.keys.member(self.worker_id)}); worker ids must be unique"
+                )
+            time.sleep(min(0.2, self.lease_seconds / 10))
+        return generation
+
+    def stop(self) -> None:
+        """Deregister: revoke the lease (member, notice and report keys vanish), stop threads,
+        and give SIGTERM back to its previous handler."""
+        if self._lease is None:
+            return
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self._client.timeout)
+        if self._watch is not None:
+            self._watch.stop()
+        self._lease.revoke()
+        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+    # -- what the training loop calls ------------------------------------------------
+
+    def pending_plan(self) -> PlanEnvelope | None:
+        """The newest published plan newer than the generation this process runs, if any."""
+        with self._lock:
+            plan = self._pending
+            return plan if plan is not None and plan.generation > self._current else None
+
+    def acknowledge(self, generation: int) -> None:
+        """Record that the plan of `generation` was applied; published to etcd in the background."""
+        with self._lock:
+            newest = self._pending.generation if self._pending is not None else self._current
+            if not self._current < generation <= newest:
+                raise AgentError(f"cannot acknowledge generation {generation}: this process runs {self._current}, newest plan is {newest}")
+            self._current = generation
+            self._member = dataclasses.replace(self._member, generation=generation)
+            self._member_dirty = True
+        self._wake.set()
+
+    def report_step(self, iteration: int, seconds: float, consumed_samples: int) -> None:
+        """Record one measured iteration; averaged reports go to etcd about once a second."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"step time must be a positive number of seconds, got {seconds}")
+        if iteration < 0 or consumed_samples < 0:
+            raise ValueError(f"iteration and consumed_samples must be >= 0, got {iteration}, {consumed_samples}")
+        with self._lock:
+            self._steps.seconds += seconds
+            self._steps.count += 1
+            self._steps.iteration = iteration
+            self._steps.consumed_samples = consumed_samples
+            due = time.monotonic() - self._last_report_at >= REPORT_INTERVAL_S
+        if due:
+            self._wake.set()
+
+    @property
+    def generation(self) -> int:
+        """The generation this process runs."""
+        with self._lock:
+            return self._current
+
+    @property
+    def notice_received(self) -> bool:
+        return self._notice_at is not None
+
+    @property
+    def notice_deadline(self) -> float | None:
+        """Wall-clock time by which this process will be killed, once SIGTERM arrived."""
+        return None if self._notice_at is None else self._notice_at + self.grace_seconds
+
+    @property
+    def fenced(self) -> bool:
+        """True once this process lost its membership (its lease expired, e.g. after a stall
+        longer than the lease, or the coordinator revoked it). A fenced process must exit
+        without writing anything; it can never rejoin under the same registration."""
+        if self._fenced or self._stopping.is_set():  # after stop() the lease is gone by choice
+            return self._fenced
+        lease = self._lease
+        return lease is not None and lease.lost
+
+    # -- background work -------------------------------------------------------------
+
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        if self._notice_at is None:
+            self._notice_at = time.time()
+        self._wake.set()
+
+    def _on_lease_lost(self) -> None:
+        if not self._stopping.is_set():
+            log.error("worker %d is fenced: its lease expired or was revoked", self.worker_id)
+        self._fenced = True
+        self._wake.set()
+
+    def _on_generation_change(self, events: object) -> None:
+        """Watch thread: fetch the plan of a newer generation and keep it for the loop."""
+        try:
+            generation = self._store.current_generation()
+            if generation <= self.generation:
+                return
+            plan = self._store.plan(generation)
+            if plan is None:
+                raise SchemaError(self._store.keys.plan(generation), "the current generation has no plan")
+        except SchemaError as exc:
+            self.last_error = str(exc)
+            log.error("worker %d ignores a plan: %s", self.worker_id, exc)
+            return
+        except EtcdError as exc:  # the watch calls again once it reconnects
+            log.warning("worker %d could not read the new plan: %s", self.worker_id, exc)
+            return
+        with self._lock:
+            if plan.generation > self._current and (self._pending is None or plan.generation > self._pending.generation):
+                self._pending = plan
+
+    def _run(self) -> None:
+        """Agent thread: publishes the notice, acknowledgements and step reports."""
+        while not self._stopping.is_set():
+            self._wake.wait(timeout=min(REPORT_INTERVAL_S, self.lease_seconds / 3))
+            self._wake.clear()
+            if self._stopping.is_set() or self.fenced:
+                continue
+            try:
+                self._publish()
+            except (EtcdError, SchemaError) as exc:
+                log.warning("worker %d could not publish to etcd (will retry): %s", self.worker_id, exc)
+
+    def _publish(self) -> None:
+        assert self._lease is not None
+        lease = self._lease.id
+        published = True
+        if self._notice_at is not None and not self._notice_posted:
+            notice = NoticeRecord(self.worker_id, self._member.instance, "SIGTERM", self._notice_at, self._notice_at + self.grace_seconds)
+            published = self._store.post_notice(notice, lease)
+            self._notice_posted = published
+        with self._lock:
+            member = self._member if self._member_dirty else None
+        if published and member is not None:
+            published = self._store.update_member(member, lease)
+            with self._lock:
+                self._member_dirty = self._member is not member
+        with self._lock:
+            report = None
+            if self._steps.count and time.monotonic() - self._last_report_at >= REPORT_INTERVAL_S:
+                w = self._steps
+                report = StepReport(self.worker_id, self._current, w.iteration, w.seconds / w.count, w.count, w.consumed_samples, time.time())
+                self._steps = _StepWindow()
+                self._last_report_at = time.monotonic()
+        if published and report is not None:
+            published = self._store.report_step(report, lease)
+        if not published:  # the member key is no longer on our lease
+            self._on_lease_lost()

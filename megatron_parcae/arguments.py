@@ -1,0 +1,272 @@
+"""Command-line arguments with Megatron-LM's names, YAML configs, and up-front validation.
+
+Everything a run is told is checked here, before torch.distributed starts: a bad value
+found after the first collective would hang the other ranks instead of failing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+import yaml
+
+TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
+
+
+class ArgumentError(ValueError):
+    """A user error in flags or config; the message names the flag."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that reports errors as one line and exit code 2 (no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentError(message)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, required=True)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without next-sentence head")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"), default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=100)
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None, help="indexed dataset prefixes (without .bin/.idx)")
+    g.add_argument("--mock-data", action="store_true", help="random tokens, for benchmarks")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--tokenizer-type", choices=TOKENIZERS, default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None, help="with --mock-data only")
+    g.add_argument("--data-cache-path", default=None)
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=prog, description="megatron-core pretraining with megatron-parcae")
+    parser.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
+    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_data_args, _add_checkpoint_args):
+        add(parser)
+    return parser
+
+
+def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    """Read a YAML config into argparse defaults, refusing keys that are not flags."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ArgumentError(f"--config: cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ArgumentError(f"--config: {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ArgumentError(f"--config: {path} must hold a mapping of flag names to values")
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    defaults: dict[str, Any] = {}
+    for key, value in loaded.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None or dest == "config":
+            raise ArgumentError(f"--config: unknown key {key!r} in {path}")
+        defaults[dest] = _coerce(action, key, value, path)
+    return defaults
+
+
+def _coerce(action: argparse.Action, key: str, value: Any, path: str) -> Any:
+    where = f"--config: key {key!r} in {path}"
+    if isinstance(action, argparse._StoreTrueAction):
+        if not isinstance(value, bool):
+            raise ArgumentError(f"{where} must be true or false")
+        return value
+    values = value if isinstance(value, list) else [value]
+    if action.nargs is None and isinstance(value, list):
+        raise ArgumentError(f"{where} takes one value, not a list")
+    out = []
+    for v in values:
+        if action.type is not None and v is not None:
+            try:
+                v = action.type(v) if not (action.type is int and isinstance(v, float)) else _int_exact(v)
+            except (TypeError, ValueError):
+                raise ArgumentError(f"{where}: {v!r} is not a valid {action.type.__name__}") from None
+        if action.choices is not None and v not in action.choices:
+            raise ArgumentError(f"{where}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+        out.append(v)
+    return out if action.nargs is not None else out[0]
+
+
+def _int_exact(v: float) -> int:
+    if v != int(v):
+        raise ValueError(v)
+    return int(v)
+
+
+def parse_args(argv: Sequence[str] | None, prog: str, model: str, world_size: int | None = None) -> argparse.Namespace:
+    """Parse flags over an optional YAML config (flags win) and validate the result.
+
+    `world_size` defaults to torchrun's WORLD_SIZE; it is checked here so that a bad
+    layout fails before any process group exists.
+    """
+    parser = build_parser(prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre_parser = _OneLineParser(add_help=False)
+    pre_parser.add_argument("--config", default=None)
+    pre, _ = pre_parser.parse_known_args(argv)
+    if pre.config:
+        parser.set_defaults(**_config_defaults(parser, pre.config))
+        for action in parser._actions:  # a value from the file satisfies required=True
+            if action.required and parser.get_default(action.dest) is not None:
+                action.required = False
+    args = parser.parse_args(argv)
+    args.model = model
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    validate(args, world_size)
+    return args
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ArgumentError(message)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Check the flags against each other and the world size; fill derived values."""
+    T, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "global_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "log_interval", "max_position_embeddings"):
+        value = getattr(args, flag)
+        _check(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
+    _check(args.num_attention_heads % T == 0,
+           f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+           f"--tensor-model-parallel-size {T}")
+    _check(args.hidden_size % args.num_attention_heads == 0,
+           f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    _check(args.ffn_hidden_size % T == 0,
+           f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {T}")
+    _check(args.seq_length <= args.max_position_embeddings,
+           f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    args.stage_layers = stage_layers(args.num_layers, P, args.decoder_first_pipeline_num_layers,
+                                     args.decoder_last_pipeline_num_layers)
+    _check(world_size % (T * P) == 0,
+           f"world size {world_size} is not a multiple of --tensor-model-parallel-size {T} x "
+           f"--pipeline-model-parallel-size {P}")
+    args.data_parallel_size = world_size // (T * P)
+    D = args.data_parallel_size
+    _check(args.global_batch_size % (args.micro_batch_size * D) == 0,
+           f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+           f"{args.micro_batch_size} x data-parallel size {D}")
+    _check(not (args.bf16 and args.fp16), "--bf16 and --fp16 exclude each other")
+    _check(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    _check(args.lr_warmup_iters < args.lr_decay_iters,
+           f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters}"
+           " (which defaults to --train-iters)")
+    _check((args.save_interval is None) or args.save_interval > 0, "--save-interval must be positive")
+    _check(args.save_interval is None or args.save is not None, "--save-interval needs --save")
+    if args.load is not None:
+        _check(Path(args.load).is_dir(), f"--load: no checkpoint directory {args.load}")
+    _validate_data(args)
+
+
+def stage_layers(num_layers: int, pipeline: int, first: int | None, last: int | None) -> tuple[int, ...]:
+    """Layers per pipeline stage: even, or with Megatron's uneven first/last stages."""
+    flag = "--num-layers"
+    inner_stages = pipeline - (first is not None) - (last is not None)
+    inner_layers = num_layers - (first or 0) - (last or 0)
+    for name, value in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        _check(value is None or (value > 0 and pipeline > 1), f"{name} needs a positive value and more than one stage")
+    _check(inner_layers >= 0 and (inner_stages > 0 or inner_layers == 0),
+           f"{flag} {num_layers} cannot hold the uneven first/last stages given")
+    if inner_stages:
+        _check(inner_layers % inner_stages == 0 and inner_layers > 0,
+               f"{flag} {num_layers} is not divisible by --pipeline-model-parallel-size {pipeline}"
+               + (" (after the uneven first/last stages)" if inner_stages != pipeline else ""))
+    each = inner_layers // inner_stages if inner_stages else 0
+    layers = [each] * pipeline
+    if first is not None:
+        layers[0] = first
+    if last is not None:
+        layers[-1] = last
+    return tuple(layers)
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    if args.mock_data:
+        _check(args.vocab_size is not None or args.vocab_file is not None,
+               "--mock-data needs --vocab-size or a --vocab-file")
+        return
+    _check(args.data_path is not None, "--data-path is required (or --mock-data)")
+    for prefix in args.data_path:
+        for suffix in (".bin", ".idx"):
+            _check(Path(prefix + suffix).is_file(), f"--data-path: missing {prefix + suffix}")
+    _check(args.tokenizer_type is not None, "--tokenizer-type is required with --data-path")
+    _check(args.vocab_file is not None and Path(args.vocab_file).is_file(),
+           f"--vocab-file: missing file {args.vocab_file}")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        _check(args.merge_file is not None and Path(args.merge_file).is_file(),
+               f"--merge-file: missing file {args.merge_file}")
+    if args.model == "bert":
+        _check(args.tokenizer_type.startswith("BertWordPiece"), "BERT needs a BertWordPiece --tokenizer-type")
+
+
+def exit_on_argument_error(prog: str, error: ArgumentError) -> NoReturn:
+    """Print one line (from one rank only) and exit 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: error: {error}", file=sys.stderr)
+    sys.exit(2)

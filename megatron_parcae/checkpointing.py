@@ -1,0 +1,141 @@
+"""Checkpoints with megatron.core.dist_checkpointing, loadable under any layout.
+
+Each rank saves its tensor-parallel shard of every parameter's fp32 main weight and Adam
+moments as a ShardedTensor keyed by the parameter's global name
+(`exp_avg/decoder.layers.7.mlp.linear_fc1.weight`), so dist_checkpointing can reshard it
+for any (T, P, D) on load. Progress (iteration, consumed samples, Adam's step, the
+learning-rate schedule) goes to a JSON file beside it; no pickle is read back.
+Layout: `<save>/iter_0000010/` plus `<save>/latest_checkpointed_iteration.txt`, as in
+Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron_parcae.optimizer_state import (
+    STATE_KEYS,
+    export_param_states,
+    import_param_states,
+    initialize_optimizer_states,
+    step_count,
+)
+from reconfig.tensors import WORD_EMBEDDING, ParamShard, param_shards, unwrap
+
+TRACKER = "latest_checkpointed_iteration.txt"
+PROGRESS = "parcae_progress.json"
+# Flags that change the model's shape: a checkpoint only loads into the same values.
+SHAPE_FLAGS = ("model", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+               "max_position_embeddings", "bert_no_binary_head")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or of another model."""
+
+
+def _sharded(shard: ParamShard, key: str, tensor: torch.Tensor, tied_copy: bool) -> ShardedTensor:
+    if shard.partition_stride != 1:
+        raise CheckpointError(f"{shard.global_name}: strided tensor-parallel splits are not supported")
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    split = shard.partition_dim is not None
+    # One main replica per element: DP replicas, TP copies of unsplit tensors and the
+    # last stage's tied embedding copy are not written.
+    replica = (int(tied_copy), 0 if split else tp_rank, ps.get_data_parallel_rank())
+    offsets = [(shard.partition_dim, tp_rank, tp_size)] if split else []
+    name = f"{key}/{shard.global_name}"
+    return ShardedTensor.from_rank_offsets(name, tensor, *offsets, replica_id=replica)
+
+
+def _is_tied_copy(shard: ParamShard) -> bool:
+    return shard.global_name == WORD_EMBEDDING and not ps.is_pipeline_first_stage()
+
+
+def _progress_path(directory: Path) -> Path:
+    return directory / PROGRESS
+
+
+def save(root: str, runtime, progress) -> Path:
+    """Save the runtime's state at `progress` (collective over all ranks)."""
+    states = export_param_states(runtime.model, runtime.optimizer)
+    sharded = {}
+    for st in states:
+        tied = _is_tied_copy(st.shard)
+        for key in STATE_KEYS:
+            item = _sharded(st.shard, key, st.tensors[key], tied)
+            sharded[item.key] = item
+    directory = Path(root) / f"iter_{progress.iteration:07d}"
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(sharded, str(directory))
+    step = step_count(runtime.optimizer)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        meta = {
+            "iteration": progress.iteration,
+            "consumed_samples": progress.consumed_samples,
+            "optimizer_step": step,
+            "scheduler_num_steps": runtime.scheduler.num_steps,
+            "model": {flag: getattr(runtime.args, flag) for flag in SHAPE_FLAGS},
+        }
+        _write_atomically(_progress_path(directory), json.dumps(meta, indent=1))
+        _write_atomically(Path(root) / TRACKER, str(progress.iteration))
+        print(f" saved checkpoint at iteration {progress.iteration} to {root}", flush=True)
+    dist.barrier()
+    return directory
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_progress(root: str) -> tuple[Path, dict]:
+    """The newest checkpoint's directory and its validated progress record."""
+    tracker = Path(root) / TRACKER
+    try:
+        iteration = int(tracker.read_text().strip())
+        directory = Path(root) / f"iter_{iteration:07d}"
+        meta = json.loads(_progress_path(directory).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"--load {root}: no readable checkpoint ({exc})") from None
+    expected = {"iteration": int, "consumed_samples": int, "optimizer_step": int, "scheduler_num_steps": int,
+                "model": dict}
+    for key, kind in expected.items():
+        if not isinstance(meta.get(key), kind):
+            raise CheckpointError(f"--load {root}: {PROGRESS} has no valid {key!r}")
+    return directory, meta
+
+
+def load(root: str, runtime):
+    """Load the newest checkpoint under `root` into a freshly built runtime; returns Progress."""
+    from megatron_parcae.training import Progress
+
+    directory, meta = read_progress(root)
+    wanted = {flag: getattr(runtime.args, flag) for flag in SHAPE_FLAGS}
+    if meta["model"] != wanted:
+        diff = ", ".join(f"{k}: {meta['model'].get(k)} != {v}" for k, v in wanted.items() if meta["model"].get(k) != v)
+        raise CheckpointError(f"--load {root}: checkpoint is of another model ({diff})")
+    initialize_optimizer_states(runtime.optimizer)
+    shards = [s for chunk in runtime.model for s in param_shards(unwrap(chunk))]
+    template = {}
+    for shard in shards:
+        for key in STATE_KEYS:
+            empty = torch.empty(shard.param.shape, dtype=torch.float32, device=shard.param.device)
+            item = _sharded(shard, key, empty, tied_copy=False)
+            template[item.key] = item
+    loaded = dist_checkpointing.load(template, str(directory))
+    states = {s.global_name: {key: loaded[f"{key}/{s.global_name}"] for key in STATE_KEYS} for s in shards}
+    import_param_states(runtime.model, runtime.optimizer, states, meta["optimizer_step"])
+    runtime.scheduler.num_steps = meta["scheduler_num_steps"]
+    runtime.scheduler.step(increment=0)
+    return Progress(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"])

@@ -1,0 +1,44 @@
+"""The `parcae` console command.
+
+Each sub-command lives in the module that owns its job; this file only maps names to
+modules. A module named here exposes `add_arguments(parser)` and `run(args) -> int`.
+Modules are imported only when their sub-command runs, so `parcae forecast` does not
+pay for importing megatron-core and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "preprocess": ("megatron_parcae.data.preprocess", "build megatron-core indexed datasets from text or JSONL"),
+    "forecast": ("predictor.backtest", "back-test availability forecasters on a spot trace"),
+    "simulate": ("megatron_parcae.simulator", "replay a spot trace and compare layout policies"),
+    "plan": ("megatron_parcae.sizing", "size a spot cluster for a deadline or a budget"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="parcae", description="megatron-parcae: spot-instance training for megatron-core")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        parser.print_help(sys.stderr)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"parcae: error: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"parcae {name}", description=COMMANDS[name][1])
+    module.add_arguments(cmd_parser)
+    return int(module.run(cmd_parser.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""CPU support for megatron-core: the one place where its CUDA assumptions are redirected.
+
+megatron-core 0.16 is written for GPUs. Its model, DDP, optimizer and pipeline schedules
+run unchanged on CPU with gloo once these call sites are redirected:
+
+=========================================  =============================================
+what megatron-core does                    what happens here, and why
+=========================================  =============================================
+``torch.cuda.current_device()``            returns 0; device 0 is then mapped to CPU by the
+(p2p_communication, param_and_grad_buffer,  mode below (a CPU build raises otherwise)
+utils)
+``torch.cuda.synchronize/empty_cache``     no-ops: there is nothing to wait for on CPU
+``device="cuda"``, integer devices,        a ``TorchFunctionMode`` rewrites the device to
+``.cuda()``, ``.to("cuda")`` (schedules,    CPU on every torch call that names one
+optimizer, clip_grads, language_module)
+``Tensor.type() == 'torch.cuda.XTensor'``  the same mode answers ``torch.cuda.XTensor`` for
+(clip_grads, optimizer, distrib_optimizer)  CPU tensors, so the dtype dispatch picks the
+                                           right branch instead of raising
+the CUDA RNG tracker                       replaced by ``CpuRNGStatesTracker``, which forks
+(tensor_parallel/random, used by attention  the CPU generator the same way
+dropout)
+fused kernels, gradient accumulation       switched off in the model config
+fusion, ``use_cpu_initialization``         (``megatron_parcae.models``), not here
+=========================================  =============================================
+
+``enable_cpu_support()`` does all of this once per process and does nothing when CUDA is
+available, so GPU runs execute megatron-core untouched. The mode costs about 2-3% of a
+CPU training step (measured in ../shared/notes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ENABLED = False
+
+
+def _names_cuda(device: object) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int is a CUDA ordinal in torch's device arguments; bool is not a device.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites every CUDA device named in a torch call to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch."):]
+        if _names_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """Named CPU generator states, with the interface megatron-core's CUDA tracker has.
+
+    Attention dropout forks the tracker's model-parallel state; on CPU that state must
+    live in the CPU generator.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_ or name in self.states_:
+            raise ValueError(f"RNG state {name!r} or seed {seed} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def enable_cpu_support() -> bool:
+    """Redirect megatron-core's CUDA call sites to the CPU; a no-op where CUDA exists.
+
+    Returns whether the CPU redirection is active.
+    """
+    global _ENABLED
+    if torch.cuda.is_available():
+        return False
+    if _ENABLED:
+        return True
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.empty_cache = lambda: None
+    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _CudaToCpuMode().__enter__()  # for the life of the process
+    _ENABLED = True
+    return True

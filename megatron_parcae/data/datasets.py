@@ -1,0 +1,95 @@
+"""Training samples: megatron-core datasets, and which micro-batches each rank trains.
+
+Samples are addressed by their index in the training stream. A step consumes the global
+batch [consumed, consumed + G); it is cut into micro-batches of consecutive samples, and
+micro-batch k goes to data-parallel rank k mod D. The cut does not depend on D, so every
+layout trains the same micro-batches in the same step, and a job that changes layout
+needs nothing but the consumed-samples count to continue.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from megatron_parcae.data.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class MockTokenizer:
+    """Vocabulary size and EOD for random-token benchmark data."""
+
+    vocab_size: int
+
+    @property
+    def eod(self) -> int:
+        return self.vocab_size - 1
+
+    @property
+    def unique_identifiers(self) -> dict:
+        return {"class": "MockTokenizer", "vocab_size": self.vocab_size}
+
+
+def build_tokenizer(args: argparse.Namespace) -> Tokenizer | MockTokenizer:
+    if args.vocab_file is not None and args.tokenizer_type is not None:
+        return Tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+    return MockTokenizer(args.vocab_size)
+
+
+def build_train_dataset(args: argparse.Namespace, tokenizer) -> torch.utils.data.Dataset:
+    """The training split, long enough for --train-iters global batches."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    num_samples = args.train_iters * args.global_batch_size
+    common = dict(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else (list(args.data_path), None),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        mid_level_dataset_surplus=0.005,
+    )
+    if args.model == "gpt":
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+        cls = MockGPTDataset if args.mock_data else GPTDataset
+        config = GPTDatasetConfig(reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                                  create_attention_mask=False, **common)
+    else:
+        from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
+
+        cls = BERTMaskedWordPieceDataset
+        config = BERTMaskedWordPieceDatasetConfig(
+            masking_probability=0.15, short_sequence_probability=0.1, masking_max_ngram=1,
+            masking_do_full_word=False, masking_do_permutation=False, masking_use_longer_ngrams=False,
+            masking_use_geometric_distribution=False, classification_head=not args.bert_no_binary_head,
+            **common)
+    train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
+    if train is None or len(train) < num_samples:
+        raise ValueError(f"--data-path holds too little data for {num_samples} training samples")
+    return train
+
+
+def rank_micro_batches(consumed: int, global_batch: int, micro_batch: int, dp_rank: int,
+                       dp_size: int) -> list[range]:
+    """Sample indices of the micro-batches this data-parallel rank trains in one step."""
+    count = global_batch // micro_batch
+    return [range(consumed + k * micro_batch, consumed + (k + 1) * micro_batch)
+            for k in range(dp_rank, count, dp_size)]
+
+
+def collate(samples: Sequence[dict]) -> dict[str, torch.Tensor]:
+    return {key: torch.as_tensor(np.stack([np.asarray(s[key]) for s in samples])) for key in samples[0]}
+
+
+def step_iterator(dataset, micro_batches: list[range]) -> Iterator[dict[str, torch.Tensor]]:
+    """The micro-batches of one step, as megatron-core's schedules pull them."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    for indices in micro_batches:
+        batch = collate([dataset[i] for i in indices])
+        yield {k: v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -1,0 +1,89 @@
+"""Tokenizers that work offline, with the attributes megatron-core's datasets read.
+
+Megatron-LM's GPT-2 BPE and BERT WordPiece tokenizers, read from the usual vocab (and
+merge) files through the `tokenizers` library, which can also train such files from a
+local corpus: no hub, no download.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
+
+EOD_TOKEN = "<|endoftext|>"
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+class Tokenizer:
+    """One tokenizer object for GPT (eod) and BERT (cls/sep/mask/pad) datasets."""
+
+    def __init__(self, tokenizer_type: str, vocab_file: str, merge_file: str | None = None) -> None:
+        self.tokenizer_type = tokenizer_type
+        if tokenizer_type == "GPT2BPETokenizer":
+            if merge_file is None:
+                raise ValueError("GPT2BPETokenizer needs a merge file")
+            self._tok = ByteLevelBPETokenizer(vocab_file, merge_file)
+            self._tok.add_special_tokens([EOD_TOKEN])
+        elif tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+            self._tok = BertWordPieceTokenizer(vocab_file, lowercase=tokenizer_type.endswith("LowerCase"))
+        else:
+            raise ValueError(f"unknown tokenizer type {tokenizer_type!r}")
+        self.vocab = self._tok.get_vocab()
+        self.inv_vocab = {i: t for t, i in self.vocab.items()}
+        self.vocab_size = len(self.vocab)
+        # megatron-core's datasets hash this into their cache key.
+        self.unique_identifiers = {"class": tokenizer_type, "vocab_size": self.vocab_size,
+                                   "vocab_file": str(vocab_file), "merge_file": str(merge_file)}
+
+    def _id(self, token: str) -> int:
+        if token not in self.vocab:
+            raise ValueError(f"{self.tokenizer_type} vocabulary has no {token!r} token")
+        return self.vocab[token]
+
+    @property
+    def eod(self) -> int:
+        return self._id(EOD_TOKEN) if self.tokenizer_type == "GPT2BPETokenizer" else self._id("[SEP]")
+
+    @property
+    def cls(self) -> int:
+        return self._id("[CLS]")
+
+    @property
+    def sep(self) -> int:
+        return self._id("[SEP]")
+
+    @property
+    def mask(self) -> int:
+        return self._id("[MASK]")
+
+    @property
+    def pad(self) -> int:
+        return self._id("[PAD]") if "[PAD]" in self.vocab else self.eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+def train_tokenizer(tokenizer_type: str, texts: Iterable[str], vocab_size: int,
+                    vocab_file: str, merge_file: str | None = None) -> None:
+    """Train vocab (and merge) files of the given type on local text."""
+    Path(vocab_file).parent.mkdir(parents=True, exist_ok=True)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if merge_file is None:
+            raise ValueError("GPT2BPETokenizer needs --merge-file")
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator(texts, vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False)
+        vocab_json, merges_txt = tok.save_model(str(Path(vocab_file).parent), "tmp-parcae")
+        Path(vocab_json).replace(vocab_file)
+        Path(merges_txt).replace(merge_file)
+    else:
+        tok = BertWordPieceTokenizer(lowercase=tokenizer_type.endswith("LowerCase"))
+        tok.train_from_iterator(texts, vocab_size=vocab_size, special_tokens=list(BERT_SPECIAL_TOKENS),
+                                show_progress=False)
+        (vocab_txt,) = tok.save_model(str(Path(vocab_file).parent), "tmp-parcae")
+        Path(vocab_txt).replace(vocab_file)

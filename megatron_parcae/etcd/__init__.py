@@ -1,0 +1,37 @@
+"""etcd between the coordinator and the agents: client, local server, key schema, leadership.
+
+Import this package before anything else imports protobuf: `etcd3`'s generated modules
+need the pure-Python protobuf backend, which `client` selects (see its docstring).
+"""
+
+from megatron_parcae.etcd.client import (
+    EtcdClient,
+    EtcdAuthError,
+    EtcdError,
+    EtcdUnavailable,
+    KeptLease,
+    LeaseExpired,
+    TLSFiles,
+)
+from megatron_parcae.etcd.keys import JobKeys, JobStore, PlanEnvelope, SchemaError
+from megatron_parcae.etcd.leadership import Leadership, NotLeader
+from megatron_parcae.etcd.server import EtcdNotInstalled, EtcdServer, find_etcd_binary
+
+__all__ = [
+    "EtcdAuthError",
+    "EtcdClient",
+    "EtcdError",
+    "EtcdNotInstalled",
+    "EtcdServer",
+    "EtcdUnavailable",
+    "JobKeys",
+    "JobStore",
+    "KeptLease",
+    "Leadership",
+    "LeaseExpired",
+    "NotLeader",
+    "PlanEnvelope",
+    "SchemaError",
+    "TLSFiles",
+    "find_etcd_binary",
+]

@@ -1,0 +1,552 @@
+"""A small etcd v3 client: the only module that talks gRPC to etcd.
+
+It uses the protobuf messages and gRPC stubs shipped by the `etcd3` package but not its
+high-level client: that client sends the auth token as call credentials, which gRPC
+refuses on plaintext channels ("Established channel does not have a sufficient security
+level"), lets most gRPC errors through untranslated, and reopens a broken watch stream
+in a loop without pause. Here every call has a short deadline and every failure becomes
+one of four exceptions whose message says what to check: `EtcdUnavailable`,
+`EtcdAuthError`, `LeaseExpired`, or `EtcdError`.
+
+`etcd3`'s generated protobuf modules predate protobuf 4; they load only with the pure
+Python protobuf backend, so this module selects it before protobuf is first imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Iterator, Literal, Sequence
+
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")  # before protobuf's first import
+
+import grpc  # noqa: E402
+
+try:
+    with warnings.catch_warnings():  # the generated modules use deprecated descriptor calls
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from etcd3 import etcdrpc  # noqa: E402
+except TypeError as exc:  # "Descriptors cannot be created directly"
+    raise ImportError(
+        "the etcd3 package cannot load its protobuf modules: google.protobuf was imported "
+        "with a C/upb backend before megatron_parcae.etcd. Import megatron_parcae.etcd "
+        "first, set PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, or install 'protobuf<4'"
+    ) from exc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+# Reconnect quickly after an etcd restart instead of gRPC's default backoff (up to 120 s);
+# never route etcd traffic through an HTTP proxy taken from the environment.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_http_proxy", 0),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+]
+
+
+class EtcdError(RuntimeError):
+    """An etcd operation failed; the message says which and why."""
+
+
+class EtcdUnavailable(EtcdError):
+    """etcd cannot be reached (down, wrong endpoint, TLS mismatch, or too slow)."""
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused the credentials, or credentials and server auth settings disagree."""
+
+
+class LeaseExpired(EtcdError):
+    """The lease a write was attached to no longer exists: its holder is fenced."""
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files for TLS: the CA that signed the server, optionally a client cert/key."""
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("etcd TLS: give both a client certificate and its key, or neither")
+        for label, path in (("CA", self.ca), ("client certificate", self.cert), ("client key", self.key)):
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"etcd TLS: {label} file {path!r} does not exist")
+
+    def read(self) -> tuple[bytes, bytes | None, bytes | None]:
+        """Return (ca, key, cert) file contents as gRPC wants them."""
+
+        def load(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return load(self.ca), load(self.key), load(self.cert)  # type: ignore[return-value]
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split 'HOST:PORT' (an optional http:// or https:// prefix is accepted)."""
+    text = endpoint.strip()
+    for scheme in ("http://", "https://"):
+        if text.startswith(scheme):
+            text = text[len(scheme):]
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"etcd endpoint {endpoint!r} is not HOST:PORT with a port in 1..65535")
+    return host.strip("[]"), int(port_text)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as stored; `lease` is 0 when the key has none."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+
+CompareTarget = Literal["value", "version", "create", "mod", "lease"]
+CompareOp = Literal["==", "!=", "<", ">"]
+
+
+@dataclass(frozen=True)
+class Compare:
+    """A transaction condition on one key, e.g. Compare(k, "version", "==", 0): k is absent."""
+
+    key: str
+    target: CompareTarget
+    op: CompareOp
+    operand: int | bytes
+
+
+@dataclass(frozen=True)
+class Put:
+    key: str
+    value: bytes
+    lease: int = 0
+
+
+@dataclass(frozen=True)
+class Delete:
+    key: str
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Get:
+    key: str
+    prefix: bool = False
+
+
+TxnOp = Put | Delete | Get
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    """Whether the conditions held, and the keys read by each Get of the branch taken."""
+
+    succeeded: bool
+    reads: list[list[KeyValue]]
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A key changed; `value` is None when it was deleted (or its lease expired)."""
+
+    key: str
+    value: bytes | None
+    revision: int
+
+
+_OPS = {"==": 0, ">": 1, "<": 2, "!=": 3}  # etcdserverpb.Compare.CompareResult
+_TARGETS = {"version": 0, "create": 1, "mod": 2, "value": 3, "lease": 4}
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The first key after every key that starts with `prefix` (etcd range_end)."""
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return b"\0"
+    raw[-1] += 1
+    return bytes(raw)
+
+
+def _range_request(key: str, prefix: bool) -> etcdrpc.RangeRequest:
+    req = etcdrpc.RangeRequest(key=key.encode())
+    if prefix:
+        req.range_end = prefix_end(key)
+    return req
+
+
+def _to_kv(kv) -> KeyValue:
+    return KeyValue(kv.key.decode(errors="replace"), bytes(kv.value), kv.create_revision, kv.mod_revision, kv.version, kv.lease)
+
+
+class EtcdClient:
+    """Connection to one etcd endpoint; thread-safe (gRPC channels are).
+
+    Connecting authenticates (if a user is given) and checks the server answers, so a
+    wrong endpoint or password fails here, within `timeout` seconds, not at first use.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        tls: TLSFiles | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if (user is None) != (password is None):
+            raise ValueError("etcd authentication needs both a user and a password")
+        if timeout <= 0:
+            raise ValueError(f"etcd timeout must be positive, got {timeout}")
+        host, port = parse_endpoint(endpoint)
+        self.endpoint = f"{host}:{port}"
+        self.timeout = timeout
+        self._user = user
+        self._password = password
+        self._tls = tls
+        target = f"[{host}]:{port}" if ":" in host else self.endpoint
+        if tls is None:
+            self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(*tls.read()), options=_CHANNEL_OPTIONS)
+        self._kv = etcdrpc.KVStub(self._channel)
+        self._lease = etcdrpc.LeaseStub(self._channel)
+        self._watch = etcdrpc.WatchStub(self._channel)
+        self._maintenance = etcdrpc.MaintenanceStub(self._channel)
+        self._auth = etcdrpc.AuthStub(self._channel)
+        self._metadata: tuple[tuple[str, str], ...] | None = None
+        self._auth_lock = threading.Lock()
+        try:
+            self._connect()
+            if user is not None:
+                self._authenticate()
+            self.server_version = self._call("status", self._maintenance.Status, etcdrpc.StatusRequest()).version
+        except BaseException:
+            self._channel.close()
+            raise
+
+    def _connect(self) -> None:
+        """Wait for the channel to be up; gRPC retries transient failures meanwhile.
+
+        Every call afterwards waits for the channel too (up to its deadline), so clients
+        ride out an etcd restart instead of failing while gRPC reconnects.
+        """
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=self.timeout)
+        except grpc.FutureTimeoutError:
+            tls = "with TLS" if self._tls is not None else "without TLS"
+            raise EtcdUnavailable(
+                f"cannot connect to etcd at {self.endpoint} {tls} within {self.timeout:g} s: is etcd running "
+                "there, and do the client's TLS settings match the server's?"
+            ) from None
+
+    # -- errors and authentication -------------------------------------------------
+
+    def _error(self, what: str, exc: grpc.RpcError) -> EtcdError:
+        code, details = exc.code(), (exc.details() or "").strip()
+        where = f"etcd {what} at {self.endpoint}"
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            hint = "is etcd running there, and do the client's TLS settings match the server's?"
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                details = f"no answer within {self.timeout:g} s"
+            return EtcdUnavailable(f"{where} failed: {details}; {hint}")
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or "authentication" in details or "auth token" in details:
+            hint = "check the etcd user and password" if self._user else "the server requires a user and password"
+            return EtcdAuthError(f"{where} refused: {details}; {hint}")
+        if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
+            return LeaseExpired(f"{where} failed: {details} (the lease expired or was revoked)")
+        return EtcdError(f"{where} failed: {code.name} {details}")
+
+    def _authenticate(self) -> None:
+        request = etcdrpc.AuthenticateRequest(name=self._user, password=self._password)
+        try:
+            token = self._auth.Authenticate(request, self.timeout, wait_for_ready=True).token
+        except grpc.RpcError as exc:
+            error = self._error("authentication", exc)
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                error = EtcdAuthError(f"etcd at {self.endpoint} has authentication disabled but a user was given: {exc.details()}")
+            raise error from None
+        self._metadata = (("token", token),)
+
+    def _call(self, what: str, method, request):
+        """Run one unary RPC with the deadline; re-authenticate once if the token expired."""
+        for attempt in range(2):
+            try:
+                return method(request, self.timeout, metadata=self._metadata, wait_for_ready=True)
+            except grpc.RpcError as exc:
+                if attempt == 0 and self._user is not None and "invalid auth token" in (exc.details() or ""):
+                    with self._auth_lock:
+                        self._authenticate()
+                    continue
+                raise self._error(what, exc) from None
+        raise AssertionError("unreachable")
+
+    # -- key/value -------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        kvs = self._call(f"get {key}", self._kv.Range, _range_request(key, False)).kvs
+        return _to_kv(kvs[0]) if kvs else None
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        """All keys starting with `prefix`, in key order."""
+        return [_to_kv(kv) for kv in self._call(f"get {prefix}*", self._kv.Range, _range_request(prefix, True)).kvs]
+
+    def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        self._call(f"put {key}", self._kv.Put, etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
+
+    def delete(self, key: str, prefix: bool = False) -> int:
+        """Delete a key (or every key under a prefix); return how many were deleted."""
+        req = etcdrpc.DeleteRangeRequest(key=key.encode())
+        if prefix:
+            req.range_end = prefix_end(key)
+        return self._call(f"delete {key}", self._kv.DeleteRange, req).deleted
+
+    def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
+        """Atomically: if every condition holds run `success`, else `failure`."""
+        request = etcdrpc.TxnRequest(
+            compare=[self._compare_message(c) for c in compare],
+            success=[self._op_message(op) for op in success],
+            failure=[self._op_message(op) for op in failure],
+        )
+        response = self._call("transaction", self._kv.Txn, request)
+        reads = [[_to_kv(kv) for kv in r.response_range.kvs] for r in response.responses if r.WhichOneof("response") == "response_range"]
+        return TxnResult(response.succeeded, reads)
+
+    @staticmethod
+    def _compare_message(c: Compare):
+        message = etcdrpc.Compare(key=c.key.encode(), result=_OPS[c.op], target=_TARGETS[c.target])
+        if c.target == "value":
+            if not isinstance(c.operand, bytes):
+                raise TypeError(f"compare on the value of {c.key} needs bytes, got {type(c.operand).__name__}")
+            message.value = c.operand
+        else:
+            if not isinstance(c.operand, int) or isinstance(c.operand, bool):
+                raise TypeError(f"compare on the {c.target} of {c.key} needs an int, got {type(c.operand).__name__}")
+            setattr(message, {"version": "version", "create": "create_revision", "mod": "mod_revision", "lease": "lease"}[c.target], c.operand)
+        return message
+
+    @staticmethod
+    def _op_message(op: TxnOp):
+        if isinstance(op, Put):
+            return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=op.key.encode(), value=op.value, lease=op.lease))
+        if isinstance(op, Get):
+            return etcdrpc.RequestOp(request_range=_range_request(op.key, op.prefix))
+        req = etcdrpc.DeleteRangeRequest(key=op.key.encode())
+        if op.prefix:
+            req.range_end = prefix_end(op.key)
+        return etcdrpc.RequestOp(request_delete_range=req)
+
+    # -- leases ----------------------------------------------------------------------
+
+    def grant_lease(self, ttl_seconds: float) -> tuple[int, int]:
+        """Grant a lease of at least `ttl_seconds` (rounded up to whole seconds); return (id, ttl)."""
+        response = self._call("lease grant", self._lease.LeaseGrant, etcdrpc.LeaseGrantRequest(TTL=max(1, int(-(-ttl_seconds // 1)))))
+        if response.error:
+            raise EtcdError(f"etcd lease grant at {self.endpoint} failed: {response.error}")
+        return response.ID, response.TTL
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """Send one keep-alive; return the remaining TTL in seconds, 0 if the lease is gone."""
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        responses = self._lease.LeaseKeepAlive(iter([request]), self.timeout, metadata=self._metadata, wait_for_ready=True)
+        try:
+            return next(responses).TTL
+        except grpc.RpcError as exc:
+            raise self._error("lease keep-alive", exc) from None
+        except StopIteration:
+            raise EtcdUnavailable(f"etcd lease keep-alive at {self.endpoint} got no answer") from None
+        finally:
+            responses.cancel()
+
+    def revoke_lease(self, lease_id: int) -> bool:
+        """Revoke a lease (its keys are deleted); False if it was already gone."""
+        try:
+            self._call("lease revoke", self._lease.LeaseRevoke, etcdrpc.LeaseRevokeRequest(ID=lease_id))
+        except LeaseExpired:
+            return False
+        return True
+
+    # -- watch -----------------------------------------------------------------------
+
+    def watch(self, key: str, on_change: Callable[[list[WatchEvent]], None], *, prefix: bool = False) -> "Watch":
+        """Call `on_change` from a background thread whenever `key` (or a key under it) changes.
+
+        `on_change([])` is called each time the watch is (re-)established, including the
+        first time: events may have been missed while disconnected, so re-read the state.
+        """
+        return Watch(self, key, prefix, on_change)
+
+    def _open_watch(self, requests: Iterator) -> Iterator:
+        return self._watch.Watch(requests, metadata=self._metadata, wait_for_ready=True)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "EtcdClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class Watch:
+    """A watch kept open across disconnects (see `EtcdClient.watch`); `stop()` ends it."""
+
+    def __init__(self, client: EtcdClient, key: str, prefix: bool, on_change: Callable[[list[WatchEvent]], None]) -> None:
+        self._client = client
+        self._create = etcdrpc.WatchCreateRequest(key=key.encode())
+        if prefix:
+            self._create.range_end = prefix_end(key)
+        self._on_change = on_change
+        self._stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch {key}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stopped.is_set():
+            requests: queue.Queue = queue.Queue()
+            requests.put(etcdrpc.WatchRequest(create_request=self._create))
+            try:
+                with self._lock:
+                    if self._stopped.is_set():
+                        return
+                    try:
+                        self._call = self._client._open_watch(iter(requests.get, None))
+                    except ValueError:  # the client was closed: nothing left to watch
+                        log.debug("etcd watch ends: its client was closed")
+                        return
+                for response in self._call:
+                    if response.created:
+                        backoff = 0.1
+                        self._deliver([])
+                    if response.canceled:
+                        break
+                    if response.events:
+                        self._deliver([
+                            WatchEvent(e.kv.key.decode(errors="replace"), bytes(e.kv.value) if e.type == 0 else None, e.kv.mod_revision)
+                            for e in response.events
+                        ])
+            except grpc.RpcError as exc:
+                if not self._stopped.is_set():
+                    log.debug("etcd watch interrupted (%s), reconnecting", exc.code())
+            finally:
+                requests.put(None)
+            self._stopped.wait(backoff)
+            backoff = min(2.0, backoff * 2)
+
+    def _deliver(self, events: list[WatchEvent]) -> None:
+        try:
+            self._on_change(events)
+        except Exception:  # a failing callback must not kill the watch
+            log.exception("etcd watch callback failed")
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped.set()
+            if self._call is not None:
+                self._call.cancel()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+
+class KeptLease:
+    """A lease refreshed by a daemon thread every third of its TTL.
+
+    `lost` becomes true, for good, once etcd says the lease is gone (it expired while this
+    process was stalled, or someone revoked it to fence the holder); `on_lost` is called
+    once then, on whichever thread noticed. While etcd is merely unreachable the lease is
+    not declared lost: etcd extends every lease when it comes back.
+    """
+
+    def __init__(self, client: EtcdClient, ttl_seconds: float, on_lost: Callable[[], None] | None = None) -> None:
+        requested_at = time.monotonic()
+        self.id, self.ttl = client.grant_lease(ttl_seconds)
+        self._client = client
+        self._on_lost = on_lost
+        self._valid_until = requested_at + self.ttl
+        self._failed_at = -float("inf")
+        self._lost = False
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"etcd-lease {self.id:x}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.ttl / 3) and self.refresh():
+            pass
+
+    def refresh(self) -> bool:
+        """Send one keep-alive now; return False once the lease is known to be gone."""
+        with self._lock:
+            return self._refresh_locked()
+
+    def _refresh_locked(self) -> bool:
+        if self._lost:
+            return False
+        sent = time.monotonic()
+        try:
+            ttl = self._client.refresh_lease(self.id)
+        except EtcdError as exc:
+            self._failed_at = sent
+            log.warning("lease %x keep-alive failed: %s", self.id, exc)
+            return True
+        if ttl > 0:
+            self._valid_until = sent + ttl
+            return True
+        self._lost = True
+        if self._on_lost is not None:
+            self._on_lost()
+        return False
+
+    @property
+    def lost(self) -> bool:
+        """True once etcd confirmed the lease is gone; asks etcd itself when overdue.
+
+        A process resumed after a stall longer than the TTL must not act on a stale view
+        before the keep-alive thread has answered, so an overdue lease is checked here,
+        after any keep-alive in flight (but not again within a third of the TTL of a
+        failed attempt, so an etcd outage does not slow the caller down).
+        """
+        if not self._lost and time.monotonic() > self._valid_until:
+            with self._lock:
+                now = time.monotonic()
+                if now > self._valid_until and now - self._failed_at > self.ttl / 3:
+                    self._refresh_locked()
+        return self._lost
+
+    def revoke(self) -> None:
+        """Stop refreshing and revoke the lease, deleting the keys attached to it."""
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            if self._lost:
+                return
+            self._lost = True
+        try:
+            self._client.revoke_lease(self.id)
+        except EtcdError as exc:
+            log.warning("could not revoke lease %x (it expires in %d s anyway): %s", self.id, self.ttl, exc)

@@ -1,0 +1,437 @@
+"""Where a job keeps its state in etcd, what each value must look like, and typed access.
+
+Everything lives under `/parcae/<job>/`:
+
+    members/<worker>    MemberRecord   on the worker's lease: present while it is alive
+    notices/<worker>    NoticeRecord   on the worker's lease: it got SIGTERM, leaves by `deadline`
+    steps/<worker>      StepReport     on the worker's lease: its latest measured step times
+    leader              LeaderRecord   on the coordinator's leader lease
+    generation          JSON integer   the newest published generation (absent = 0)
+    plans/<generation>  PlanEnvelope   the layout and migration of that generation
+
+Every value is JSON and is validated on read and on write against the record's declared
+schema (types, ranges, required keys, no unknown keys): etcd is a network path, so
+nothing read from it is trusted, and a malformed payload is refused with an error that
+names the key and the reason. A plan is published for generation g only in a
+transaction that sees generation g-1, so no plan is ever applied twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
+
+from megatron_parcae.etcd.client import Compare, Delete, EtcdClient, Get, KeyValue, Put
+
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_PAYLOAD_BYTES = 1_500_000  # etcd refuses larger requests by default (--max-request-bytes)
+MAX_WORKER_ID = 2**31 - 1
+MAX_GENERATION = 2**53  # exact in a JSON double
+MAX_TIMESTAMP = 1e11  # wall-clock seconds since the epoch; far beyond any real date
+PLANS_KEPT = 16  # older plans are deleted when a new one is published
+
+
+class SchemaError(ValueError):
+    """A payload read from (or about to be written to) etcd does not match its schema."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"refused {where}: {why}")
+        self.where = where
+        self.why = why
+
+
+@dataclass(frozen=True)
+class Field:
+    """One required key of a payload: its JSON type and the range allowed.
+
+    For `str` and `dict`, `low`/`high` bound the length; for numbers, the value.
+    `nullable` admits JSON null (the key must still be present).
+    """
+
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    nullable: bool = False
+
+    def check(self, value: Any, where: str) -> Any:
+        if value is None and self.nullable:
+            return None
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, self.kind) or isinstance(value, bool):
+            raise SchemaError(where, f"expected {self.kind.__name__}, got {type(value).__name__}")
+        if self.kind is float and not math.isfinite(value):
+            raise SchemaError(where, f"expected a finite number, got {value}")
+        size = len(value) if self.kind in (str, dict) else value
+        if (self.low is not None and size < self.low) or (self.high is not None and size > self.high):
+            what = "length" if self.kind in (str, dict) else "value"
+            raise SchemaError(where, f"{what} {size} outside [{self.low}, {self.high}]")
+        return value
+
+
+def validate(data: Any, schema: Mapping[str, Field], where: str) -> dict[str, Any]:
+    """Check a decoded JSON object against `schema`; return it with numbers normalised."""
+    if not isinstance(data, dict):
+        raise SchemaError(where, f"expected a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(schema))
+    if unknown:
+        raise SchemaError(where, f"unknown keys {unknown}")
+    missing = sorted(set(schema) - set(data))
+    if missing:
+        raise SchemaError(where, f"missing required keys {missing}")
+    return {name: f.check(data[name], f"{where}.{name}") for name, f in schema.items()}
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    """Decode JSON from etcd: size-limited, UTF-8, no NaN/Infinity."""
+    if len(raw) > MAX_PAYLOAD_BYTES:
+        raise SchemaError(where, f"{len(raw)} bytes, more than the {MAX_PAYLOAD_BYTES} allowed")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SchemaError(where, f"not valid JSON ({exc})") from None
+
+
+def dump_json(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+R = TypeVar("R", bound="Record")
+
+
+class Record:
+    """Base of the payload dataclasses: schema-checked conversion to and from JSON."""
+
+    SCHEMA: ClassVar[Mapping[str, Field]]
+
+    @classmethod
+    def from_dict(cls: type[R], data: Any, where: str = "payload") -> R:
+        record = cls(**validate(data, cls.SCHEMA, where))
+        record.check(where)
+        return record
+
+    def check(self, where: str) -> None:
+        """Checks across fields; the base record has none."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    def encode(self) -> bytes:
+        """JSON bytes for etcd; refuses to write what a reader would refuse."""
+        where = f"new {type(self).__name__}"
+        validate(self.to_dict(), self.SCHEMA, where)
+        self.check(where)
+        data = dump_json(self.to_dict())
+        if len(data) > MAX_PAYLOAD_BYTES:
+            raise SchemaError(where, f"{len(data)} bytes, more than the {MAX_PAYLOAD_BYTES} allowed")
+        return data
+
+    @classmethod
+    def decode(cls: type[R], raw: bytes, where: str) -> R:
+        return cls.from_dict(parse_json(raw, where), where)
+
+
+_WORKER = Field(int, 0, MAX_WORKER_ID)
+_TIME = Field(float, 0, MAX_TIMESTAMP)
+_NAME = Field(str, 1, 253)
+
+
+@dataclass(frozen=True)
+class MemberRecord(Record):
+    """A live training process; `generation` is the newest plan it has applied."""
+
+    worker_id: int
+    instance: str
+    pid: int
+    registered_at: float
+    generation: int
+
+    SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME, "generation": Field(int, 0, MAX_GENERATION)}
+
+
+@dataclass(frozen=True)
+class NoticeRecord(Record):
+    """A worker was told it will be preempted (SIGTERM) and must be gone by `deadline`."""
+
+    worker_id: int
+    instance: str
+    reason: str
+    received_at: float
+    deadline: float
+
+    SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "reason": Field(str, 1, 64), "received_at": _TIME, "deadline": _TIME}
+
+    def check(self, where: str) -> None:
+        if self.deadline < self.received_at:
+            raise SchemaError(where, f"deadline {self.deadline} is before received_at {self.received_at}")
+
+
+@dataclass(frozen=True)
+class LeaderRecord(Record):
+    """The coordinator currently holding the leader lease."""
+
+    candidate: str
+    pid: int
+    acquired_at: float
+
+    SCHEMA = {"candidate": _NAME, "pid": Field(int, 1, 2**31 - 1), "acquired_at": _TIME}
+
+
+@dataclass(frozen=True)
+class StepReport(Record):
+    """Measured training step time of one worker: mean `seconds` over the last `window` steps."""
+
+    worker_id: int
+    generation: int
+    iteration: int
+    seconds: float
+    window: int
+    consumed_samples: int
+    reported_at: float
+
+    SCHEMA = {
+        "worker_id": _WORKER,
+        "generation": Field(int, 0, MAX_GENERATION),
+        "iteration": Field(int, 0, 2**53),
+        "seconds": Field(float, 1e-9, 1e6),
+        "window": Field(int, 1, 2**31 - 1),
+        "consumed_samples": Field(int, 0, 2**53),
+        "reported_at": _TIME,
+    }
+
+
+# The layout and migration bodies belong to reconfig/; their own from_dict validates them.
+_BODY_DECODERS = {"layout": ("reconfig.layout", "Layout"), "migration": ("reconfig.plan", "MigrationPlan")}
+
+
+def _body_decoder(module_name: str, class_name: str) -> Callable[[dict], Any] | None:
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return None
+        raise
+    cls = getattr(module, class_name, None)
+    return None if cls is None else cls.from_dict
+
+
+@dataclass(frozen=True)
+class PlanEnvelope(Record):
+    """The plan of one generation: target layout and the migration that reaches it.
+
+    The bodies are `Layout.to_dict()` and `MigrationPlan.to_dict()` from reconfig/, kept
+    as plain dicts here and checked on decode and encode by those classes' `from_dict`
+    (call it again to get the objects). `migration` is None when there is nothing to
+    move from: the job's first layout, or a restart from a checkpoint.
+    """
+
+    generation: int
+    created_at: float
+    layout: dict
+    migration: dict | None
+
+    SCHEMA = {
+        "generation": Field(int, 1, MAX_GENERATION),
+        "created_at": _TIME,
+        "layout": Field(dict, 1),
+        "migration": Field(dict, 1, nullable=True),
+    }
+
+    def check(self, where: str) -> None:
+        decoded = {}
+        for name, (module_name, class_name) in _BODY_DECODERS.items():
+            decoder = _body_decoder(module_name, class_name)
+            body = getattr(self, name)
+            if decoder is None or body is None:
+                continue
+            try:
+                decoded[name] = decoder(body)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise SchemaError(f"{where}.{name}", f"{class_name}.from_dict refused it: {exc}") from None
+        if "layout" in decoded and "migration" in decoded and decoded["migration"].new != decoded["layout"]:
+            raise SchemaError(f"{where}.migration", "its new layout is not the envelope's layout")
+
+
+def decode_generation(raw: bytes, where: str) -> int:
+    return Field(int, 1, MAX_GENERATION).check(parse_json(raw, where), where)
+
+
+def encode_generation(generation: int) -> bytes:
+    return dump_json(Field(int, 1, MAX_GENERATION).check(generation, "new generation"))
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """The etcd key of every piece of one job's state."""
+
+    job: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.job, str) or not JOB_NAME.fullmatch(self.job):
+            raise ValueError(f"job name {self.job!r} must be 1-64 characters of letters, digits, '_', '.', '-', starting with a letter or digit")
+
+    @property
+    def prefix(self) -> str:
+        return f"/parcae/{self.job}/"
+
+    @property
+    def members(self) -> str:
+        return self.prefix + "members/"
+
+    @property
+    def notices(self) -> str:
+        return self.prefix + "notices/"
+
+    @property
+    def steps(self) -> str:
+        return self.prefix + "steps/"
+
+    @property
+    def plans(self) -> str:
+        return self.prefix + "plans/"
+
+    @property
+    def leader(self) -> str:
+        return self.prefix + "leader"
+
+    @property
+    def generation(self) -> str:
+        return self.prefix + "generation"
+
+    def member(self, worker_id: int) -> str:
+        return f"{self.members}{_WORKER.check(worker_id, 'worker id'):010d}"
+
+    def notice(self, worker_id: int) -> str:
+        return f"{self.notices}{_WORKER.check(worker_id, 'worker id'):010d}"
+
+    def step(self, worker_id: int) -> str:
+        return f"{self.steps}{_WORKER.check(worker_id, 'worker id'):010d}"
+
+    def plan(self, generation: int) -> str:
+        return f"{self.plans}{Field(int, 1, MAX_GENERATION).check(generation, 'generation'):016d}"
+
+
+def _numbered(kvs: Sequence[KeyValue], prefix: str, decode: Callable[[bytes, str], R], id_field: str) -> dict[int, R]:
+    """Decode keys `<prefix><number>` whose payload repeats the number in `id_field`."""
+    out: dict[int, R] = {}
+    for kv in kvs:
+        suffix = kv.key[len(prefix):]
+        if not (suffix.isascii() and suffix.isdigit()):
+            raise SchemaError(kv.key, "unknown key under a numbered prefix")
+        record = decode(kv.value, kv.key)
+        if getattr(record, id_field) != int(suffix):
+            raise SchemaError(kv.key, f"{id_field} {getattr(record, id_field)} does not match the key")
+        out[int(suffix)] = record
+    return out
+
+
+class JobStore:
+    """Typed, validated reads and fenced writes of one job's state in etcd."""
+
+    def __init__(self, client: EtcdClient, job: str) -> None:
+        self.client = client
+        self.keys = JobKeys(job)
+
+    # -- members ---------------------------------------------------------------------
+
+    def register_member(self, member: MemberRecord, lease: int) -> int | None:
+        """Create the member key on `lease` unless the worker id is taken.
+
+        Returns the current generation read in the same transaction (so a plan published
+        right after registration is never missed), or None if the id is in use.
+        """
+        key = self.keys.member(member.worker_id)
+        result = self.client.txn(
+            [Compare(key, "version", "==", 0)],
+            [Put(key, member.encode(), lease), Get(self.keys.generation)],
+        )
+        if not result.succeeded:
+            return None
+        return self._generation_of(result.reads[0])
+
+    def update_member(self, member: MemberRecord, lease: int) -> bool:
+        """Rewrite the member record, only while its key is still on `lease`."""
+        return self._put_as_member(member.worker_id, lease, self.keys.member(member.worker_id), member.encode())
+
+    def members(self) -> dict[int, MemberRecord]:
+        return _numbered(self.client.get_prefix(self.keys.members), self.keys.members, MemberRecord.decode, "worker_id")
+
+    def fence_member(self, worker_id: int) -> bool:
+        """Revoke a worker's lease: its keys vanish and its agent reports `fenced`."""
+        kv = self.client.get(self.keys.member(worker_id))
+        return kv is not None and kv.lease != 0 and self.client.revoke_lease(kv.lease)
+
+    def _put_as_member(self, worker_id: int, lease: int, key: str, value: bytes) -> bool:
+        guard = Compare(self.keys.member(worker_id), "lease", "==", lease)
+        return self.client.txn([guard], [Put(key, value, lease)]).succeeded
+
+    # -- notices and step reports ----------------------------------------------------
+
+    def post_notice(self, notice: NoticeRecord, lease: int) -> bool:
+        """Publish a preemption notice; False if the worker is no longer a member on `lease`."""
+        return self._put_as_member(notice.worker_id, lease, self.keys.notice(notice.worker_id), notice.encode())
+
+    def notices(self) -> dict[int, NoticeRecord]:
+        return _numbered(self.client.get_prefix(self.keys.notices), self.keys.notices, NoticeRecord.decode, "worker_id")
+
+    def report_step(self, report: StepReport, lease: int) -> bool:
+        """Publish a step-time report; False if the worker is no longer a member on `lease`."""
+        return self._put_as_member(report.worker_id, lease, self.keys.step(report.worker_id), report.encode())
+
+    def step_reports(self) -> dict[int, StepReport]:
+        return _numbered(self.client.get_prefix(self.keys.steps), self.keys.steps, StepReport.decode, "worker_id")
+
+    # -- generation and plans --------------------------------------------------------
+
+    def _generation_of(self, kvs: list[KeyValue]) -> int:
+        return decode_generation(kvs[0].value, kvs[0].key) if kvs else 0
+
+    def current_generation(self) -> int:
+        kv = self.client.get(self.keys.generation)
+        return 0 if kv is None else decode_generation(kv.value, kv.key)
+
+    def plan(self, generation: int) -> PlanEnvelope | None:
+        kv = self.client.get(self.keys.plan(generation))
+        if kv is None:
+            return None
+        plan = PlanEnvelope.decode(kv.value, kv.key)
+        if plan.generation != generation:
+            raise SchemaError(kv.key, f"envelope says generation {plan.generation}")
+        return plan
+
+    def latest_plan(self) -> PlanEnvelope | None:
+        generation = self.current_generation()
+        return self.plan(generation) if generation else None
+
+    def plans(self) -> dict[int, PlanEnvelope]:
+        """The plans still kept (the newest PLANS_KEPT), by generation."""
+        return _numbered(self.client.get_prefix(self.keys.plans), self.keys.plans, PlanEnvelope.decode, "generation")
+
+    def publish_plan(self, plan: PlanEnvelope, guard: Sequence[Compare] = ()) -> bool:
+        """Publish `plan` and make its generation current, atomically.
+
+        Succeeds only if the current generation is `plan.generation - 1` and every
+        condition of `guard` holds (e.g. `Leadership.guard()`); of two racing publishers
+        exactly one wins. Returns whether this call won.
+        """
+        g = plan.generation
+        previous = Compare(self.keys.generation, "version", "==", 0) if g == 1 else Compare(self.keys.generation, "value", "==", encode_generation(g - 1))
+        writes: list[Put | Delete] = [Put(self.keys.plan(g), plan.encode()), Put(self.keys.generation, encode_generation(g))]
+        if g > PLANS_KEPT:
+            writes.append(Delete(self.keys.plan(g - PLANS_KEPT)))
+        return self.client.txn([previous, *guard], writes).succeeded
+
+    # -- leader ----------------------------------------------------------------------
+
+    def leader(self) -> LeaderRecord | None:
+        kv = self.client.get(self.keys.leader)
+        return None if kv is None else LeaderRecord.decode(kv.value, kv.key)

@@ -1,0 +1,259 @@
+"""The liveput optimizer: which layout to run now, looking a few intervals ahead.
+
+One entry point serves every caller (live coordinator, spot emulator, simulator):
+`LiveputOptimizer.decide(current, available, forecast, leaving, busy_seconds)` runs at
+an interval boundary, once the boundary's preemptions and arrivals are known, and
+returns the layout to run in the coming interval with the plan that gets there.
+
+It solves a dynamic program over the next `horizon` intervals (this one included):
+states are layouts, a transition is a layout change at an interval start, and the value
+of running layout s in step h after s' is
+    throughput(s) x (interval - expected seconds of changing s' -> s at step h),
+the expectation over the step's preemption scenarios (see scenarios.py). Step 0 knows
+what happened (the actual lost and leaving workers, priced by the planner); later steps
+know the forecast. Only the first step is applied; the program is solved again at the
+next boundary. Transitions are priced lazily: a plan-free lower bound on a change's cost
+(scenarios.change_floor) skips those that cannot beat the best one found so far, so the
+result is the exact optimum of the program with far fewer plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from megatron_parcae.liveput.cost import NO_COST, MigrationCost, MigrationCostModel
+from megatron_parcae.liveput.scenarios import ScenarioCosts, StepOutlook, preemption_distribution
+from megatron_parcae.liveput.throughput import ThroughputModel
+from reconfig.layout import Layout, Parallelism
+from reconfig.plan import LostStateError, MigrationPlan, MigrationRequest, plan_migration
+
+if TYPE_CHECKING:
+    from predictor.forecast import AvailabilityForecast
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to run in the coming interval and how to get there.
+
+    `layout` is None when no feasible layout fits the available workers. `plan` is the
+    in-place migration to carry out; None when nothing moves, or on `cost.restart`: the
+    job starts, or state was lost, and `layout` resumes from the last checkpoint.
+    """
+
+    layout: Layout | None
+    plan: MigrationPlan | None
+    cost: MigrationCost
+    path: tuple[Parallelism, ...]  # layouts planned for this and the coming intervals
+    expected_samples: float
+
+
+def outlook(forecast: AvailabilityForecast | None, instances_now: int, steps: int) -> list[StepOutlook]:
+    """The forecast's next `steps` intervals as instance counts and preemption distributions.
+
+    A forecast whose 10% and 90% quantiles coincide is certain (an oracle); its
+    preemption counts are taken as exact.
+    """
+    if forecast is None or steps == 0:
+        return [StepOutlook(instances_now, ((1.0, 0),))] * steps
+    out = []
+    previous = instances_now
+    for h in range(steps):
+        i = min(h, len(forecast.expected) - 1)
+        instances = max(0, int(round(float(forecast.quantiles[0.5][i]))))
+        certain = float(forecast.quantiles[0.1][i]) == float(forecast.quantiles[0.9][i])
+        preempted = float(forecast.preemptions[i]) if h < len(forecast.expected) else 0.0
+        out.append(StepOutlook(instances, preemption_distribution(preempted, previous - instances, certain)))
+        previous = instances
+    return out
+
+
+class LiveputOptimizer:
+    """Chooses layouts by liveput over a horizon; see the module docstring.
+
+    Keeps what it learns between decisions (plans, expected costs), so it should live as
+    long as its caller; it holds no other state, so a restarted caller loses only time.
+    """
+
+    def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel, horizon: int, candidates: int = 4):
+        if horizon < 1:
+            raise ValueError(f"horizon must be at least 1 interval, got {horizon}")
+        if candidates < 1:
+            raise ValueError(f"candidates must be at least 1, got {candidates}")
+        self.throughput = throughput
+        self.costs = costs
+        self.scenarios = ScenarioCosts(throughput, costs)
+        self.horizon = horizon
+        self.candidates = candidates
+        self.interval = costs.constants.interval_seconds
+        # layouts by index: the program's keys are small integers, cheap to hash
+        self._layouts = throughput.layouts()
+        self._index = {p: i for i, p in enumerate(self._layouts)}
+        self._rate = [throughput.samples_per_second(p) for p in self._layouts]
+        self._top: dict[int, tuple[int, ...]] = {}
+        self._floors: dict[tuple[int, int], float] = {}
+        self._preempted: dict[tuple[int, int, int, int], float] = {}
+
+    def top_layouts(self, instances: int) -> tuple[Parallelism, ...]:
+        """The `candidates` highest-throughput layouts that fit `instances`."""
+        return tuple(self._layouts[i] for i in self._top_indices(instances))
+
+    def _top_indices(self, instances: int) -> tuple[int, ...]:
+        found = self._top.get(instances)
+        if found is None:
+            fits = [self._index[p] for p in self.throughput.fitting(instances)]
+            fits.sort(key=lambda i: (-self._rate[i], self._layouts[i].world_size))
+            found = self._top[instances] = tuple(fits[:self.candidates])
+        return found
+
+    def _floor(self, old: int, new: int) -> float:
+        """scenarios.change_floor by index (old -1: from any layout)."""
+        found = self._floors.get((old, new))
+        if found is None:
+            found = self._floors[old, new] = self.scenarios.change_floor(
+                None if old < 0 else self._layouts[old], self._layouts[new])
+        return found
+
+    def _expected(self, old: int, new: int, before: int, step: StepOutlook) -> float:
+        """scenarios.expected_seconds by index, remembered per preemption count."""
+        seconds = 0.0
+        for pk, preempted in step.preemptions:
+            key = (old, new, before, preempted)
+            found = self._preempted.get(key)
+            if found is None:
+                if len(self._preempted) > 1_000_000:
+                    self._preempted.clear()
+                found = self._preempted[key] = self.scenarios.preempted_seconds(
+                    self._layouts[old], self._layouts[new], before, preempted)
+            seconds += pk * found
+        return seconds
+
+    def decide(self, current: Layout | None, available: Collection[int],
+               forecast: AvailabilityForecast | None = None, leaving: Collection[int] = (),
+               busy_seconds: float = 0.0) -> Decision:
+        """Choose the layout for the coming interval.
+
+        `current`: the running layout (None before the job starts). `available`: workers
+        that can hold a slot now (current survivors, standby workers, arrivals).
+        `leaving`: workers under a preemption notice (they can still send state; standby
+        ones are ignored); current workers in neither set were lost without notice.
+        `forecast`: the coming intervals after this one (None: assume nothing changes).
+        `busy_seconds`: what is left of a migration still in progress.
+        """
+        available = frozenset(available)
+        leaving = frozenset() if current is None else frozenset(leaving) & current.workers - available
+        lost = frozenset() if current is None else current.workers - available - leaving
+        running = None if current is None else self._index.get(current.parallelism)
+        unchanged = current is not None and not (lost or leaving)
+        exact: set[int] = set()
+
+        def start_cost(i: int) -> tuple[float, bool]:
+            """(seconds, exact): the cost of starting in layout i now, or a bound below it."""
+            p = self._layouts[i]
+            if current is None:
+                return self.costs.restart_cost(p, joining=True, cold=True).seconds, True
+            if unchanged and i == running:
+                return 0.0, True
+            if i not in exact:
+                return (self._floor(running, i) if running is not None
+                        else self.scenarios.change_floor(current.parallelism, p)), False
+            return self.scenarios.change_cost(current, lost, leaving, p).seconds, True
+
+        first = set(self._top_indices(len(available)))
+        if running is not None and current.parallelism.world_size <= len(available):
+            first.add(running)
+        steps = outlook(forecast, len(available), self.horizon - 1)
+        path, value = self._solve(first, start_cost, exact, busy_seconds, len(available), steps)
+        return self._realise(current, available, leaving, lost, [self._layouts[i] for i in path], value)
+
+    def _solve(self, first: set[int], start_cost: Callable[[int], tuple[float, bool]], exact: set[int],
+               busy: float, instances: int, steps: list[StepOutlook]) -> tuple[list[int], float]:
+        """Best layout sequence and its expected samples; [] when nothing fits.
+
+        Backward over the horizon: `future[p]` is the best value of the steps after the
+        current one when the current one runs p. Step 0's costs need real plans, so they
+        are priced lazily: candidates are taken best bound first until the best exact
+        value beats every remaining bound.
+        """
+        rate, interval, world = self._rate, self.interval, self._layouts
+        layouts = [first]
+        for step in steps:
+            carried = {p for p in layouts[-1] if world[p].world_size <= step.instances}
+            layouts.append(carried | set(self._top_indices(step.instances)))
+        future: dict[int, float] = dict.fromkeys(layouts[-1], 0.0)
+        successor: list[dict[int, int]] = []
+        for h in reversed(range(len(steps))):
+            step, before = steps[h], (instances if h == 0 else steps[h - 1].instances)
+            bound = {p: rate[p] * (interval - self._floor(-1, p)) + future[p] for p in layouts[h + 1]}
+            ranked = sorted(bound, key=lambda p: (-bound[p], p))
+            values: dict[int, float] = {}
+            chosen: dict[int, int] = {}
+            for q in layouts[h]:
+                best, best_next = -np.inf, None
+                if q in future:  # staying is usually the best: price it first
+                    best = rate[q] * (interval - self._expected(q, q, before, step)) + future[q]
+                    best_next = q
+                for p in ranked:
+                    if bound[p] <= best:
+                        break  # no later successor can do better, whatever its plan
+                    if p == q or rate[p] * (interval - self._floor(q, p)) + future[p] <= best:
+                        continue
+                    v = rate[p] * (interval - self._expected(q, p, before, step)) + future[p]
+                    if v > best:
+                        best, best_next = v, p
+                if best_next is None:  # nothing fits the next step: the job idles from there
+                    values[q] = 0.0
+                else:
+                    values[q], chosen[q] = best, best_next
+            successor.append(chosen)
+            future = values
+        successor.reverse()
+
+        def total(p: int) -> tuple[float, bool]:
+            seconds, is_exact = start_cost(p)
+            return rate[p] * (interval - busy - seconds) + future[p], is_exact
+
+        best_value, best_start = -np.inf, None
+        for p in sorted(layouts[0], key=lambda p: (-total(p)[0], p)):
+            value, is_exact = total(p)
+            if value <= best_value:
+                break
+            if not is_exact:
+                exact.add(p)
+                value = total(p)[0]
+            if value > best_value:
+                best_value, best_start = value, p
+        if best_start is None:
+            return [], 0.0
+        path = [best_start]
+        for chosen in successor:
+            if path[-1] not in chosen:
+                break
+            path.append(chosen[path[-1]])
+        return path, best_value
+
+    def _realise(self, current: Layout | None, available: frozenset[int], leaving: frozenset[int],
+                 lost: frozenset[int], path: list[Parallelism], value: float) -> Decision:
+        """Turn the first step of `path` into a layout with workers and the plan to reach it."""
+        if not path:
+            return Decision(None, None, NO_COST, (), 0.0)
+        target = path[0]
+        if current is None:
+            return Decision(Layout(target, tuple(sorted(available)[:target.world_size])), None,
+                            self.costs.restart_cost(target, joining=True, cold=True), tuple(path), value)
+        if target == current.parallelism and not (lost or leaving):
+            return Decision(current, None, NO_COST, tuple(path), value)
+        survivors = current.workers & available
+        request = MigrationRequest(current, survivors, leaving, available - current.workers)
+        joining = target.world_size > len(survivors)
+        try:
+            plan = plan_migration(request, target, self.costs.shape)
+        except LostStateError:
+            order = sorted(survivors) + sorted(available - survivors)
+            return Decision(Layout(target, tuple(order[:target.world_size])), None,
+                            self.costs.restart_cost(target, joining), tuple(path), value)
+        cost = self.costs.plan_cost(plan)
+        return Decision(plan.new, None if cost.restart else plan, cost, tuple(path), value)

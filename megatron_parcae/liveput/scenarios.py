@@ -1,0 +1,272 @@
+"""Liveput: what preemptions will probably cost a layout, from plans of the real planner.
+
+A forecast says, for each coming interval, how many instances there will be and how
+many preemptions to expect. Preempted instances are a uniform draw among those running,
+so a layout using u of n instances loses j of its slots with the hypergeometric
+probability; which slots those are decides whether the layout shrinks in place (every
+stage keeps a replica: intra-stage), fetches a stage from a leaving instance during its
+grace period (inter-stage) or, without notice, restarts from a checkpoint. The expected
+cost of moving from one layout to another over those scenarios is what the optimizer's
+dynamic program charges; liveput is the throughput of a layout net of that expected
+cost over one interval.
+
+Costs of hypothetical changes come from `reconfig.plan.plan_migration` on canonical
+layouts (workers 0..u-1 in rank order, the j lost slots spread over distinct stage
+columns and pipelines, arrivals as new workers), priced by `MigrationCostModel`. Plans
+are cached by (old layout, new layout, lost slots, notice): layouts repeat from one
+decision to the next. Layouts of more than `PLAN_WORKERS_LIMIT` workers are planned with
+fewer data-parallel replicas (per-worker bytes, which set the time, do not depend on D
+when both sides scale alike); their group creation is scaled back to the full count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from megatron_parcae.liveput.cost import MigrationCost, MigrationCostModel, group_membership
+from megatron_parcae.liveput.throughput import ThroughputModel
+from reconfig.layout import Layout, Parallelism
+from reconfig.plan import LostStateError, MigrationRequest, plan_migration
+
+PLAN_WORKERS_LIMIT = 64
+_TAIL = 1e-3  # the least likely outcomes of a distribution, this share of it together, are left out
+
+
+@dataclass(frozen=True)
+class StepOutlook:
+    """One coming interval: instances available, and how many of the running ones get
+    preempted at its start, as (probability, count) pairs summing to 1."""
+
+    instances: int
+    preemptions: tuple[tuple[float, int], ...]
+
+
+def preemption_distribution(expected: float, at_least: int, certain: bool) -> tuple[tuple[float, int], ...]:
+    """Distribution of the number of preemptions in one interval.
+
+    `certain`: the forecast knows the future (its quantiles coincide), the count is
+    `expected` rounded. Otherwise Poisson with mean `expected`, conditioned on at least
+    `at_least` (the drop in the forecast count cannot happen with fewer), tail cut at 0.1%.
+    """
+    at_least = max(0, at_least)
+    if certain:
+        return ((1.0, max(at_least, round(expected))),)
+    lam = max(expected, 0.0)
+    if lam == 0.0:
+        return ((1.0, at_least),)
+    k, p = 0, math.exp(-lam)
+    mass, terms = 0.0, []
+    while True:
+        if k >= at_least:
+            terms.append((p, k))
+            mass += p
+        if k >= at_least and k > lam and p <= _TAIL * mass:
+            break
+        k += 1
+        p *= lam / k
+    if mass == 0.0:  # `at_least` is far out in the tail: it is all that can happen
+        return ((1.0, at_least),)
+    return tuple((q / mass, k) for q, k in terms)
+
+
+@lru_cache(maxsize=65536)
+def victims_distribution(instances: int, used: int, preempted: int) -> tuple[tuple[float, int], ...]:
+    """(probability, j): j of a layout's `used` slots are among `preempted` instances
+    drawn uniformly from `instances` (hypergeometric; the least likely j, 0.1% of the
+    probability together, are left out)."""
+    preempted = min(preempted, instances)
+    total = math.comb(instances, preempted)
+    terms = [(math.comb(used, j) * math.comb(instances - used, preempted - j) / total, j)
+             for j in range(max(0, preempted - (instances - used)), min(preempted, used) + 1)]
+    mass, out = 0.0, []
+    for p, j in sorted(terms, reverse=True):  # likeliest first; the tails (many j when hundreds go) drop out
+        out.append((p, j))
+        mass += p
+        if mass >= 1.0 - _TAIL:
+            break
+    return tuple(sorted(((p / mass, j) for p, j in out), key=lambda t: t[1]))
+
+
+@lru_cache(maxsize=65536)
+def wipe_probability(columns: int, replicas: int, victims: int) -> float:
+    """Probability that `victims` uniform distinct slots of a columns x replicas grid
+    include every replica of some column (inclusion-exclusion)."""
+    slots = columns * replicas
+    if victims < replicas:
+        return 0.0
+    total = math.comb(slots, victims)
+    p = 0.0
+    for i in range(1, min(columns, victims // replicas) + 1):
+        p += (-1) ** (i + 1) * math.comb(columns, i) * math.comb(slots - i * replicas, victims - i * replicas) / total
+    return min(max(p, 0.0), 1.0)
+
+
+def spread_victims(parallelism: Parallelism, count: int) -> tuple[int, ...]:
+    """Ranks of `count` lost slots, spread over distinct (stage, tp) columns and pipelines."""
+    T, P, D = parallelism.tp, parallelism.pp, parallelism.dp
+    columns = T * P
+    ranks = []
+    for i in range(count):
+        column, round_ = i % columns, i // columns
+        stage, tp = divmod(column, T)
+        ranks.append(tp + T * ((round_ + column) % D + D * stage))
+    return tuple(sorted(ranks))
+
+
+def _reduced(p: Parallelism, dp: int) -> Parallelism:
+    return Parallelism(p.tp, p.pp, dp, p.stage_layers)
+
+
+class ScenarioCosts:
+    """Expected seconds of layout changes over preemption scenarios, with a plan cache."""
+
+    def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel):
+        self.throughput = throughput
+        self.costs = costs
+        self.interval = costs.constants.interval_seconds
+        self._with_notice = costs.constants.grace_period_seconds > 0
+        self._cache: dict[tuple, MigrationCost] = {}
+        self._floors: dict[tuple[Parallelism | None, Parallelism], float] = {}
+
+    # -- one change --------------------------------------------------------------------
+
+    def change_cost(self, old: Layout, lost: frozenset[int], leaving: frozenset[int],
+                    target: Parallelism) -> MigrationCost:
+        """Cost of moving `old` (minus `lost` and `leaving` workers) to `target`, with as many
+        fresh workers as it needs. Cached by the slots lost, so it holds for any worker ids;
+        above the plan size limit, leaving workers are taken as spread out."""
+        if not lost and (not leaving or self._with_notice) and \
+                max(old.parallelism.world_size, target.world_size) > PLAN_WORKERS_LIMIT:
+            return self._canonical_cost(old.parallelism, target, len(leaving))
+        lost_ranks = frozenset(old.rank_of(w) for w in lost)
+        leaving_ranks = frozenset(old.rank_of(w) for w in leaving)
+        if not lost_ranks and not leaving_ranks:
+            return self._canonical_cost(old.parallelism, target, 0)
+        key = (old.parallelism, lost_ranks, leaving_ranks, target)
+        cost = self._cache.get(key)
+        if cost is None:
+            cost = self._cache[key] = self._plan_cost(old.parallelism, lost_ranks, leaving_ranks, target)
+        return cost
+
+    def _plan_cost(self, old: Parallelism, lost_ranks: frozenset[int], leaving_ranks: frozenset[int],
+                   target: Parallelism) -> MigrationCost:
+        layout = Layout(old, tuple(range(old.world_size)))
+        survivors = frozenset(range(old.world_size)) - lost_ranks - leaving_ranks
+        needed = max(0, target.world_size - len(survivors))
+        joining = frozenset(range(old.world_size, old.world_size + needed))
+        request = MigrationRequest(layout, survivors, frozenset(leaving_ranks), joining)
+        try:
+            plan = plan_migration(request, target, self.costs.shape)
+        except LostStateError:
+            return self.costs.restart_cost(target, joining=bool(joining))
+        return self.costs.plan_cost(plan)
+
+    def _canonical_cost(self, old: Parallelism, new: Parallelism, victims: int) -> MigrationCost:
+        """Cost of old -> new when `victims` of old's slots are preempted (spread out)."""
+        full_key = ("full", old, new, victims)
+        cost = self._cache.get(full_key)
+        if cost is not None:
+            return cost
+        scale = PLAN_WORKERS_LIMIT / max(old.world_size, new.world_size)
+        small_old, small_new, small_victims = old, new, victims
+        if scale < 1:  # fewer replicas, the same share of them preempted
+            small_old = _reduced(old, max(min(old.dp, 2), round(old.dp * scale)))
+            small_new = _reduced(new, max(min(new.dp, 2), round(new.dp * scale)))
+            if victims:
+                small_victims = min(max(1, round(victims * small_old.world_size / old.world_size)),
+                                    small_old.tp * small_old.pp * max(1, small_old.dp - 1))
+        key = ("planned", old, new, small_victims)
+        cost = self._cache.get(key)
+        if cost is None:
+            ranks = frozenset(spread_victims(small_old, small_victims))
+            lost, leaving = (frozenset(), ranks) if self._with_notice else (ranks, frozenset())
+            cost = self._plan_cost(small_old, lost, leaving, small_new)
+            if small_new != new and not cost.restart:
+                full, _ = group_membership(new, np.zeros(new.world_size, dtype=bool))
+                small, _ = group_membership(small_new, np.zeros(small_new.world_size, dtype=bool))
+                cost = MigrationCost(cost.world_seconds, cost.groups_seconds * full / small, cost.build_seconds,
+                                     cost.transfer_seconds)
+            self._cache[key] = cost
+        self._cache[full_key] = cost
+        return cost
+
+    # -- expectations over scenarios -----------------------------------------------------
+
+    def expected_seconds(self, old: Parallelism, new: Parallelism, previous_instances: int,
+                         step: StepOutlook) -> float:
+        """Expected cost of changing old -> new at the start of `step`, when old ran on
+        `previous_instances` instances and the step's preemptions hit them."""
+        return sum(pk * self.preempted_seconds(old, new, previous_instances, preempted)
+                   for pk, preempted in step.preemptions)
+
+    def preempted_seconds(self, old: Parallelism, new: Parallelism, previous_instances: int, preempted: int) -> float:
+        """Expected cost of old -> new when `preempted` of `previous_instances` instances go."""
+        return sum(pj * self._victims_seconds(old, new, victims)
+                   for pj, victims in victims_distribution(previous_instances, old.world_size, preempted))
+
+    def _victims_seconds(self, old: Parallelism, new: Parallelism, victims: int) -> float:
+        """Cost of old -> new after `victims` of old's slots are preempted. A change of T or
+        of the stage partition re-sends nearly every worker's state whoever was preempted,
+        so it is planned without victims (fewer plans); the chance that victims take every
+        replica of a stage without notice is still counted."""
+        if victims == 0 and old == new:
+            return 0.0
+        reshape = old.tp != new.tp or old.stage_layers != new.stage_layers
+        cost = self._canonical_cost(old, new, 0 if reshape else victims).seconds
+        if self._with_notice or victims == 0:
+            return cost
+        wipe = wipe_probability(old.tp * old.pp, old.dp, victims)
+        if wipe == 0.0:
+            return cost
+        restart = self.costs.restart_cost(new, joining=new.world_size > old.world_size - victims).seconds
+        return (1 - wipe) * cost + wipe * restart
+
+    def change_floor(self, old: Parallelism | None, new: Parallelism) -> float:
+        """A bound below the cost of changing `old` to `new` (any old when None), from the
+        layouts alone, so no plan is needed. Any change creates the world and every group
+        again, at the cheaper group rate. With the same T, each worker of a new stage
+        receives at least what the best-overlapping old stage lacks of it. A larger layout
+        takes in new workers: each receives a whole stage, and the groups holding them are
+        created at the new-worker rate (counted for planned sizes only)."""
+        key = (old, new)
+        floor = self._floors.get(key)
+        if floor is not None:
+            return floor
+        c, shape, width = self.costs.constants, self.costs.shape, self.costs.shape.state_bytes_per_param
+        slow, fast = sorted((c.group_create_seconds_survivors_only, c.group_create_seconds_with_new_worker))
+        total, _ = group_membership(new, np.zeros(new.world_size, dtype=bool))
+        floor = c.world_init_seconds + total * slow
+        if old is not None:
+            def stage_bytes(p: Parallelism, stage: int) -> dict[str, float]:
+                return {u.name: (u.split_params / p.tp + u.replicated_params) * width
+                        for u in p.stage_units(shape, stage)}
+
+            new_stages = [stage_bytes(new, s) for s in range(new.pp)]
+            receive = 0.0
+            if old.tp == new.tp:
+                old_stages = [stage_bytes(old, s) for s in range(old.pp)]
+                for needed in new_stages:
+                    kept = max(sum(b for name, b in needed.items() if name in held) for held in old_stages)
+                    receive = max(receive, sum(needed.values()) - kept)
+            joiners = new.world_size - old.world_size
+            if joiners > 0:
+                receive = max(receive, min(sum(needed.values()) for needed in new_stages))
+                if max(old.world_size, new.world_size) <= PLAN_WORKERS_LIMIT:
+                    with_new = sum(-(-joiners // size) for size in (new.tp, new.pp, new.dp) if size > 1) + 1
+                    floor += with_new * (fast - slow)
+            floor += c.transfer_seconds(receive)
+        self._floors[key] = floor
+        return floor
+
+    def liveput(self, layout: Parallelism, instances: int, step: StepOutlook) -> float:
+        """Expected samples per second of keeping `layout` through `step` (after running on
+        `instances`), net of what its preemptions cost: equal to the throughput when nothing
+        is preempted, 0 when the step has too few instances for it."""
+        if layout.world_size > step.instances:
+            return 0.0
+        seconds = self.expected_seconds(layout, layout, instances, step)
+        return self.throughput.samples_per_second(layout) * (self.interval - seconds) / self.interval

@@ -1,0 +1,115 @@
+"""megatron-core GPT and BERT model chunks for the current parallel state.
+
+Builds the TransformerConfig from Megatron-LM flags, the model chunk of this rank's
+pipeline stage (local spec on CPU, Transformer Engine spec on request), deterministic
+initial weights, and the Float16/DDP wrappers, in the order megatron-core needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from reconfig.tensors import initialize_deterministically
+
+
+def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
+    """The vocabulary padded to a multiple of make-vocab-size-divisible-by x lcm(T, 8).
+
+    Megatron pads to a multiple of divisible-by x T, which makes the model's shape depend
+    on the layout; with lcm(T, 8) every T in 1, 2, 4, 8 gives the same model, so a job
+    can change T without changing what it trains.
+    """
+    multiple = args.make_vocab_size_divisible_by * math.lcm(args.tensor_model_parallel_size, 8)
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    P = args.pipeline_model_parallel_size
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=P,
+        num_layers_in_first_pipeline_stage=args.stage_layers[0] if P > 1 and args.decoder_first_pipeline_num_layers else None,
+        num_layers_in_last_pipeline_stage=args.stage_layers[-1] if P > 1 and args.decoder_last_pipeline_num_layers else None,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        # Fused kernels and CUDA-side initialisation exist only on GPUs.
+        use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        bias_activation_fusion=on_gpu,
+        persist_layer_norm=on_gpu,
+        apply_rope_fusion=False,
+    )
+
+
+def _layer_spec(args: argparse.Namespace):
+    te = args.transformer_impl == "transformer_engine"
+    if args.model == "gpt":
+        from megatron.core.models.gpt import gpt_layer_specs as specs
+
+        return specs.get_gpt_layer_with_transformer_engine_spec() if te else specs.get_gpt_layer_local_spec()
+    from megatron.core.models.bert import bert_layer_specs as specs
+
+    return specs.get_bert_layer_with_transformer_engine_spec() if te else specs.bert_layer_local_spec
+
+
+def build_model_chunk(args: argparse.Namespace, config: TransformerConfig, vocab_size: int) -> torch.nn.Module:
+    """This rank's stage of the model, with layout-independent initial weights."""
+    pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    common = dict(
+        config=config,
+        transformer_layer_spec=_layer_spec(args),
+        vocab_size=vocab_size,
+        pre_process=pre,
+        post_process=post,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="learned_absolute",
+    )
+    if args.model == "gpt":
+        from megatron.core.models.gpt import GPTModel
+
+        chunk = GPTModel(max_sequence_length=args.max_position_embeddings, **common)
+    else:
+        from megatron.core.models.bert.bert_model import BertModel
+
+        chunk = BertModel(num_tokentypes=0 if args.bert_no_binary_head else 2,
+                          max_sequence_length=args.max_position_embeddings,
+                          add_binary_head=not args.bert_no_binary_head, **common)
+    if torch.cuda.is_available():
+        chunk.cuda(torch.cuda.current_device())
+    initialize_deterministically(chunk, args.seed, args.init_method_std, args.num_layers,
+                                 ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    return chunk
+
+
+def wrap_for_training(chunk: torch.nn.Module, config: TransformerConfig,
+                      use_distributed_optimizer: bool) -> DistributedDataParallel:
+    """Float16Module (bf16/fp16) then megatron-core DDP, as Megatron-LM wraps models."""
+    if config.bf16 or config.fp16:
+        chunk = Float16Module(config, chunk)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)

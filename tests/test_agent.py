@@ -1,0 +1,199 @@
+"""The training-process agent against a real etcd: membership, notices, plans, fencing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+from test_etcd import LEASE_S, envelope, etcd_server, new_job, python_child, wait_for  # noqa: F401  (one shared etcd)
+
+from megatron_parcae.agent import AgentError, ParcaeAgent
+from megatron_parcae.etcd import EtcdClient, JobStore
+
+GRACE_S = 30.0
+
+
+@pytest.fixture
+def client(etcd_server):
+    with EtcdClient(etcd_server.endpoint, timeout=3) as c:
+        yield c
+
+
+@pytest.fixture
+def job_agent(client):
+    """A started agent for worker 3 of a fresh job, and the job's store."""
+    store = JobStore(client, new_job())
+    agent = ParcaeAgent(client, store.keys.job, worker_id=3, grace_seconds=GRACE_S, lease_seconds=LEASE_S, instance="node-a")
+    agent.start()
+    yield agent, store
+    agent.stop()
+
+
+def test_agent_registers_and_deregisters_on_stop(job_agent):
+    agent, store = job_agent
+    member = store.members()[3]
+    assert (member.instance, member.pid, member.generation) == ("node-a", os.getpid(), 0)
+    assert signal.getsignal(signal.SIGTERM) == agent._on_sigterm
+    agent.stop()
+    assert store.members() == {}
+    assert signal.getsignal(signal.SIGTERM) != agent._on_sigterm
+    assert not agent.fenced
+
+
+def test_plans_are_delivered_in_order_and_acknowledged(job_agent):
+    agent, store = job_agent
+    assert agent.pending_plan() is None
+    first = envelope(1, [3])
+    assert store.publish_plan(first)
+    assert wait_for(agent.pending_plan, 10, "plan 1") == first
+    with pytest.raises(AgentError, match="cannot acknowledge generation 2"):
+        agent.acknowledge(2)
+    agent.acknowledge(1)
+    assert agent.pending_plan() is None and agent.generation == 1
+    wait_for(lambda: store.members()[3].generation == 1, 10, "the acknowledgement in etcd")
+    with pytest.raises(AgentError, match="cannot acknowledge generation 1"):
+        agent.acknowledge(1)  # a plan is applied once
+    second = envelope(2, [3, 4], previous=[3])
+    assert store.publish_plan(second)
+    assert wait_for(agent.pending_plan, 10, "plan 2") == second
+
+
+def test_malformed_plan_is_ignored_with_a_clear_error(job_agent, client):
+    agent, store = job_agent
+    bad = envelope(1, [3]).to_dict() | {"layout": {"tp": 1}}
+    client.put(store.keys.plan(1), json.dumps(bad).encode())
+    client.put(store.keys.generation, b"1")
+    wait_for(lambda: agent.last_error, 10, "the agent to refuse the plan")
+    assert "Layout.from_dict refused it" in agent.last_error and store.keys.plan(1) in agent.last_error
+    assert agent.pending_plan() is None
+
+
+def test_newcomer_ignores_plans_older_than_its_arrival(client):
+    store = JobStore(client, new_job())
+    assert store.publish_plan(envelope(1, [0]))
+    agent = ParcaeAgent(client, store.keys.job, 9, GRACE_S, LEASE_S)
+    agent.start()
+    try:
+        time.sleep(0.5)
+        assert agent.generation == 1 and agent.pending_plan() is None
+        assert store.publish_plan(envelope(2, [0, 9], previous=[0]))
+        assert wait_for(agent.pending_plan, 10, "plan 2").generation == 2
+    finally:
+        agent.stop()
+
+
+def test_step_reports_are_averaged_and_published(job_agent):
+    agent, store = job_agent
+    for i, seconds in enumerate([0.1, 0.3]):
+        agent.report_step(i, seconds, consumed_samples=8 * (i + 1))
+    report = wait_for(lambda: store.step_reports().get(3), 10, "a step report")
+    # the first step is published alone at once, the second one within a report interval
+    if report.window == 1:
+        report = wait_for(lambda: (r := store.step_reports()[3]).iteration == 1 and r, 10, "the second report")
+    assert report.iteration == 1 and report.consumed_samples == 16 and report.generation == 0
+    assert report.seconds == pytest.approx(0.3 if report.window == 1 else 0.2)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        agent.report_step(2, float("nan"), 24)
+
+
+def test_coordinator_can_fence_a_worker(job_agent):
+    agent, store = job_agent
+    assert store.fence_member(3)
+    wait_for(lambda: agent.fenced, 10, "the agent to notice it is fenced")
+    agent.report_step(5, 0.1, 40)
+    time.sleep(1.2)
+    assert store.members() == {} and store.step_reports() == {}
+
+
+def test_duplicate_worker_id_is_refused(job_agent, client):
+    agent, store = job_agent
+    twin = ParcaeAgent(client, store.keys.job, 3, GRACE_S, lease_seconds=1)
+    started = time.monotonic()
+    with pytest.raises(AgentError, match="worker id 3 is already registered"):
+        twin.start()
+    assert time.monotonic() - started < 5
+    assert store.members()[3].pid == os.getpid()
+
+
+def test_start_outside_the_main_thread_is_refused(client):
+    agent = ParcaeAgent(client, new_job(), 1, GRACE_S, LEASE_S)
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(AgentError, agent.start)))
+    thread.start()
+    thread.join()
+    assert "main thread" in str(errors[0].value)
+
+
+def test_agent_survives_an_etcd_restart(job_agent, etcd_server):
+    agent, store = job_agent
+    etcd_server.restart()
+    assert store.publish_plan(envelope(1, [3]))
+    assert wait_for(agent.pending_plan, 10, "the plan published after the restart").generation == 1
+    assert not agent.fenced and 3 in store.members()
+
+
+WORKER = """
+import sys, time
+from megatron_parcae.agent import ParcaeAgent
+from megatron_parcae.etcd import EtcdClient
+endpoint, job = sys.argv[1], sys.argv[2]
+agent = ParcaeAgent(EtcdClient(endpoint), job, worker_id=5, grace_seconds=30, lease_seconds=2)
+agent.start()
+print("ready", flush=True)
+iteration = 0
+while not agent.fenced:
+    if agent.notice_received:
+        print(f"notice {agent.notice_deadline}", flush=True)
+        time.sleep(60)
+    agent.report_step(iteration, 0.05, 8 * iteration)
+    iteration += 1
+    time.sleep(0.05)
+print("fenced", flush=True)
+agent.stop()
+sys.exit(3)
+"""
+
+
+def test_sigterm_becomes_a_notice_with_a_deadline(etcd_server, client):
+    store = JobStore(client, new_job())
+    child = python_child(WORKER, etcd_server.endpoint, store.keys.job)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        sent_at = time.time()
+        child.send_signal(signal.SIGTERM)
+        notice = wait_for(lambda: store.notices().get(5), 10, "the notice")
+        assert sent_at - 1 < notice.received_at < time.time()
+        assert notice.deadline == pytest.approx(notice.received_at + 30)
+        assert notice.reason == "SIGTERM"
+        assert child.stdout.readline().split() == ["notice", str(notice.deadline)]
+        assert child.poll() is None  # SIGTERM does not end the process: it has a grace period
+    finally:
+        child.kill()
+        child.wait()
+    wait_for(lambda: not store.members() and not store.notices(), 3 * LEASE_S, "the killed worker's keys to expire")
+
+
+def test_stalled_worker_is_fenced_and_exits_without_writing(etcd_server, client):
+    """Issue 7 point 3: SIGSTOP longer than the lease; the member vanishes within the lease,
+    and the resumed process sees it is fenced and exits without writing anything."""
+    store = JobStore(client, new_job())
+    child = python_child(WORKER, etcd_server.endpoint, store.keys.job)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        wait_for(lambda: 5 in store.step_reports(), 10, "the first step report")
+        child.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        wait_for(lambda: not store.members(), 2 * LEASE_S, "the stalled member to expire")
+        assert time.monotonic() - stopped_at < 2 * LEASE_S
+        assert store.step_reports() == {}
+        child.send_signal(signal.SIGCONT)
+        assert child.stdout.readline().strip() == "fenced"
+        assert child.wait(10) == 3
+        assert store.members() == {} and store.step_reports() == {} and store.notices() == {}
+    finally:
+        child.kill()
+        child.wait()

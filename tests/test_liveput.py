@@ -1,0 +1,307 @@
+"""Liveput optimizer, throughput and cost models (issue 5, acceptance 3)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants, CostConstantsError, MigrationCostModel
+from megatron_parcae.liveput.optimizer import LiveputOptimizer, outlook
+from megatron_parcae.liveput.scenarios import (
+    ScenarioCosts,
+    StepOutlook,
+    preemption_distribution,
+    victims_distribution,
+    wipe_probability,
+)
+from megatron_parcae.liveput.throughput import PipelineModel, ProfileError, ProfileTable, balanced_partition
+from predictor.forecast import AvailabilityForecast
+from reconfig.layout import Layout, ModelShape, Parallelism
+from reconfig.plan import MigrationRequest, plan_migration
+
+ANCHORS = "/work/shared/anchors/parcae"
+CONSTANTS = CostConstants.load()
+GPT_1_5B = CONSTANTS.model("gpt-1.5b")
+TINY = ModelShape("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128,
+                  max_position_embeddings=32)
+# (T, P, D) -> samples/s: a small table with replicas and pipelines to choose between
+TINY_RATES = {(1, 1, 1): 1.0, (1, 2, 1): 1.7, (1, 1, 2): 1.9, (1, 4, 1): 2.6, (1, 2, 2): 3.3,
+              (1, 1, 3): 2.7, (1, 2, 3): 4.4, (1, 4, 2): 4.1}
+
+
+def tiny_table() -> ProfileTable:
+    return ProfileTable(TINY_RATES, "tiny", 12, TINY)
+
+
+def certain_forecast(counts: list[int], preemptions: list[int]) -> AvailabilityForecast:
+    counts_f = np.array(counts, dtype=float)
+    return AvailabilityForecast(60.0, counts_f, {0.1: counts_f, 0.5: counts_f, 0.9: counts_f},
+                                np.array(preemptions, dtype=float), np.zeros(len(counts)))
+
+
+# ---- throughput models -------------------------------------------------------------------
+
+def test_profile_table_reads_parcae_table():
+    table = ProfileTable.load(f"{ANCHORS}/gpt-1.5b.csv", GPT_1_5B)
+    assert table.model == "gpt-1.5b" and table.global_batch_size == 128
+    best = table.best(32)
+    assert (best.tp, best.pp, best.dp) == (1, 8, 4)
+    assert table.samples_per_second(best) == pytest.approx(43.468)
+    assert table.best(5) is None  # GPT-1.5B needs at least 6 stages in Parcae's table
+    assert all(sum(p.stage_layers) == 48 for p in table.layouts())
+
+
+def test_balanced_partition_is_buildable_and_balanced():
+    assert balanced_partition(48, 7) == (6, 7, 7, 7, 7, 7, 7)
+    assert balanced_partition(48, 10) == (4,) + (5,) * 8 + (4,)
+    assert balanced_partition(48, 8) == (6,) * 8
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data_parallel,pipeline_stages,iteration_ms\n1,2,3\n", "lacks column(s) samples_per_s"),
+    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,two,3,4\n", ":2: expected integers"),
+    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,2,3,-4\n", ":2: sizes must be"),
+    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,2,3,4\n1,2,3,5\n", ":3: configuration"),
+    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,2,3\n", ":2: 3 fields"),
+    ("# only a comment\n", "no configurations"),
+])
+def test_profile_table_rejects_malformed_rows(tmp_path, text, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        ProfileTable.load(path, GPT_1_5B)
+
+
+def tiny_layer_profile(**overrides) -> dict:
+    unit = {"forward_ms": 2.0, "backward_ms": 4.0, "optimizer_ms": 0.5, "activation_bytes": 1e6, "output_bytes": 1e5}
+    profile = {"format": "megatron-parcae-layer-profile", "version": 1, "model": "tiny", "device": "test",
+               "micro_batch_size": 1, "global_batch_size": 8, "gpu_memory_bytes": 1e9,
+               "link_bytes_per_second": 1.25e9, "tensor_parallel_bytes_per_second": 1e11, "max_tensor_parallel": 4,
+               "memory_bytes_per_param": 16, "gradient_bytes_per_param": 2, "model_shape": TINY.to_dict(),
+               "embedding": dict(unit), "layers": [dict(unit) for _ in range(4)], "head": dict(unit)}
+    profile.update(overrides)
+    return profile
+
+
+def test_pipeline_model_excludes_infeasible_layouts():
+    model = PipelineModel(tiny_layer_profile(), max_workers=16)
+    layouts = model.layouts()
+    assert layouts, "some layout must fit"
+    # D must split the global batch of 8 into whole micro-batches; T must divide 4 heads
+    assert all(8 % p.dp == 0 and 4 % p.tp == 0 and p.world_size <= 16 for p in layouts)
+    assert Parallelism(1, 1, 3, (4,)) not in layouts
+    assert model.samples_per_second(Parallelism(1, 1, 3, (4,))) == 0.0
+    # more replicas train faster on this compute-bound profile
+    assert model.samples_per_second(Parallelism(1, 1, 2, (4,))) > model.samples_per_second(Parallelism(1, 1, 1, (4,)))
+    # a GPU too small for the whole model's activations needs them split over stages or TP ranks
+    small = PipelineModel(tiny_layer_profile(gpu_memory_bytes=3.5e6), max_workers=16)
+    assert small.layouts() and all(p.tp * p.pp >= 2 for p in small.layouts())
+    assert small.samples_per_second(Parallelism(1, 1, 1, (4,))) == 0.0
+
+
+def test_pipeline_model_rejects_bad_profile(tmp_path):
+    with pytest.raises(ProfileError, match="layers: expected a list of 4"):
+        PipelineModel(tiny_layer_profile(layers=[]), max_workers=4)
+    with pytest.raises(ProfileError, match="gpu_memory_bytes: expected a positive number"):
+        PipelineModel(tiny_layer_profile(gpu_memory_bytes=-1), max_workers=4)
+    path = tmp_path / "p.json"
+    path.write_text("{not json")
+    with pytest.raises(ProfileError, match="not JSON"):
+        PipelineModel.load(path, 4)
+
+
+# ---- cost model ----------------------------------------------------------------------------
+
+def test_cost_constants_validate_and_interpolate(tmp_path):
+    c = CONSTANTS
+    assert c.interval_seconds == 60
+    assert c.transfer_seconds(1048576) == pytest.approx(1428.108e-6)
+    between = c.transfer_seconds(1.5 * 1048576)
+    assert 1428.108e-6 < between < 3006.771e-6
+    assert c.transfer_seconds(4 * 1073741824) == pytest.approx(4 * 1198255.9e-6)
+    data = json.loads(DEFAULT_CONSTANTS.read_text())
+    data["rendezvous_seconds"] = "six"
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CostConstantsError, match="rendezvous_seconds: expected a non-negative number"):
+        CostConstants.load(path)
+
+
+def gpt_layout(tp: int, pp: int, dp: int) -> Layout:
+    p = Parallelism(tp, pp, dp, balanced_partition(48, pp))
+    return Layout(p, tuple(range(p.world_size)))
+
+
+def test_intra_stage_change_costs_only_world_and_groups():
+    costs = MigrationCostModel(CONSTANTS, GPT_1_5B)
+    old = gpt_layout(1, 8, 4)
+    lost = old.worker_at(old.parallelism.slot(5))
+    request = MigrationRequest(old, old.workers - {lost}, frozenset(), frozenset())
+    plan = plan_migration(request, Parallelism(1, 8, 3, old.stage_layers), GPT_1_5B)
+    cost = costs.plan_cost(plan)
+    assert plan.kind == "intra-stage"
+    assert cost.build_seconds == 0 and cost.transfer_seconds == 0 and not cost.restart
+    assert 0 < cost.seconds < 2
+
+
+def test_pipeline_change_costs_build_and_transfer_and_restart_costs_more():
+    costs = MigrationCostModel(CONSTANTS, GPT_1_5B)
+    old = gpt_layout(1, 8, 4)
+    request = MigrationRequest(old, old.workers, frozenset(), frozenset())
+    target = Parallelism(1, 10, 3, balanced_partition(48, 10))
+    cost = costs.plan_cost(plan_migration(request, target, GPT_1_5B))
+    assert cost.build_seconds > 0 and cost.transfer_seconds > 0
+    restart = costs.restart_cost(target, joining=False)
+    assert restart.restart and restart.seconds > cost.seconds + CONSTANTS.checkpoint_save_load_seconds
+
+
+def test_lost_stage_without_notice_means_restart():
+    shape_costs = ScenarioCosts(tiny_table(), MigrationCostModel(CONSTANTS, TINY))
+    old = Layout(Parallelism(1, 2, 1, (2, 2)), (0, 1))
+    cost = shape_costs.change_cost(old, frozenset({1}), frozenset(), Parallelism(1, 2, 1, (2, 2)))
+    assert cost.restart
+    with_notice = shape_costs.change_cost(old, frozenset(), frozenset({1}), Parallelism(1, 2, 1, (2, 2)))
+    assert not with_notice.restart and with_notice.seconds < cost.seconds
+
+
+# ---- scenarios ------------------------------------------------------------------------------
+
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(0, 40))
+@settings(max_examples=60, deadline=None)
+def test_victims_distribution_is_a_distribution(instances, used, preempted):
+    used = min(used, instances)
+    dist = victims_distribution(instances, used, preempted)
+    assert math.isclose(sum(p for p, _ in dist), 1.0, rel_tol=1e-9)
+    assert all(0 <= j <= min(used, preempted) for _, j in dist)
+
+
+def test_wipe_probability_matches_sampling():
+    rng = random.Random(1)
+    columns, replicas, victims = 4, 2, 3
+    hits = 0
+    trials = 20000
+    for _ in range(trials):
+        chosen = rng.sample(range(columns * replicas), victims)
+        counts = [sum(1 for s in chosen if s // replicas == c) for c in range(columns)]
+        hits += any(count == replicas for count in counts)
+    assert wipe_probability(columns, replicas, victims) == pytest.approx(hits / trials, abs=0.015)
+    assert wipe_probability(4, 3, 2) == 0.0
+
+
+def test_preemption_distribution():
+    assert preemption_distribution(2.0, 0, certain=True) == ((1.0, 2),)
+    dist = preemption_distribution(1.5, 1, certain=False)
+    assert math.isclose(sum(p for p, _ in dist), 1.0) and min(k for _, k in dist) == 1
+
+
+@given(st.sampled_from(sorted(TINY_RATES)), st.integers(0, 3))
+@settings(max_examples=30, deadline=None)
+def test_liveput_without_preemptions_equals_throughput(key, spare):
+    table = tiny_table()
+    layout = next(p for p in table.layouts() if (p.tp, p.pp, p.dp) == key)
+    scenarios = ScenarioCosts(table, MigrationCostModel(CONSTANTS, TINY))
+    instances = layout.world_size + spare
+    calm = StepOutlook(instances, ((1.0, 0),))
+    assert scenarios.liveput(layout, instances, calm) == table.samples_per_second(layout)
+    stormy = StepOutlook(instances, ((1.0, min(2, instances)),))
+    assert scenarios.liveput(layout, instances, stormy) <= table.samples_per_second(layout)
+
+
+# ---- the dynamic program ------------------------------------------------------------------------
+
+def brute_force(optimizer: LiveputOptimizer, current: Layout | None, available: frozenset[int],
+                leaving: frozenset[int], forecast, busy: float) -> float:
+    """Best expected samples over every sequence of feasible layouts (no pruning)."""
+    table, scenarios, interval = optimizer.throughput, optimizer.scenarios, optimizer.interval
+    lost = frozenset() if current is None else current.workers - available - leaving
+    steps = outlook(forecast, len(available), optimizer.horizon - 1)
+    counts = [len(available)] + [s.instances for s in steps]
+    choices = [table.fitting(n) for n in counts]
+    best = -np.inf
+    for sequence in itertools.product(*choices):
+        first = sequence[0]
+        if current is None:
+            seconds = optimizer.costs.restart_cost(first, joining=True, cold=True).seconds
+        elif first == current.parallelism and not (lost or leaving):
+            seconds = 0.0
+        else:
+            seconds = scenarios.change_cost(current, lost, leaving, first).seconds
+        value = table.samples_per_second(first) * (interval - busy - seconds)
+        for h, p in enumerate(sequence[1:]):
+            value += table.samples_per_second(p) * (
+                interval - scenarios.expected_seconds(sequence[h], p, counts[h], steps[h]))
+        best = max(best, value)
+    return best
+
+
+@given(st.data())
+@settings(max_examples=25, deadline=None)
+def test_dynamic_program_equals_brute_force(data):
+    table = tiny_table()
+    horizon = data.draw(st.integers(1, 3), label="horizon")
+    optimizer = LiveputOptimizer(table, MigrationCostModel(CONSTANTS, TINY), horizon, candidates=len(TINY_RATES))
+    start = data.draw(st.sampled_from(table.layouts()), label="current")
+    cold = data.draw(st.booleans(), label="cold start")
+    workers = list(range(start.world_size + data.draw(st.integers(0, 2), label="spares")))
+    current = Layout(start, tuple(workers[:start.world_size]))
+    preempted = data.draw(st.lists(st.sampled_from(workers), unique=True, max_size=2), label="preempted")
+    arrived = list(range(100, 100 + data.draw(st.integers(0, 2), label="arrived")))
+    available = frozenset(workers) - set(preempted) | set(arrived)
+    if not available:
+        return
+    leaving = frozenset(preempted) & current.workers if data.draw(st.booleans(), label="notice") else frozenset()
+    counts = data.draw(st.lists(st.integers(1, 6), min_size=horizon - 1, max_size=horizon - 1), label="counts")
+    drops = [max(0, a - b) for a, b in zip([len(available)] + counts, counts)]
+    forecast = certain_forecast(counts, [d + data.draw(st.integers(0, 1)) for d in drops]) if counts else None
+    busy = data.draw(st.sampled_from([0.0, 10.0]), label="busy")
+    if cold:
+        current, leaving = None, frozenset()
+    decision = optimizer.decide(current, available, forecast, leaving, busy)
+    expected = brute_force(optimizer, current, frozenset(available), leaving, forecast, busy)
+    assert decision.expected_samples == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert len(decision.path) == horizon
+
+
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=8), st.integers(1, 4))
+@settings(max_examples=30, deadline=None)
+def test_infeasible_layouts_are_never_chosen(events, horizon):
+    # the table leaves out (1, 1, 4), (1, 4, 3), ...: they must never be picked
+    table = tiny_table()
+    optimizer = LiveputOptimizer(table, MigrationCostModel(CONSTANTS, TINY), horizon)
+    rng = random.Random(7)
+    available, next_id, layout = set(range(4)), 4, None
+    for lose, gain in events:
+        gone = set(rng.sample(sorted(available), min(lose, len(available))))
+        available = available - gone | set(range(next_id, next_id + gain))
+        next_id += gain
+        leaving = gone & layout.workers if layout else set()
+        decision = optimizer.decide(layout, available, None, leaving)
+        if decision.layout is None:
+            assert not table.fitting(len(available))
+            continue
+        p = decision.layout.parallelism
+        assert table.samples_per_second(p) > 0 and p in table.layouts()
+        assert decision.layout.workers <= available and p.world_size <= len(available)
+        layout = decision.layout
+
+
+def test_decision_moves_to_best_layout_when_nothing_changes():
+    table = ProfileTable.load(f"{ANCHORS}/gpt-1.5b.csv", GPT_1_5B)
+    optimizer = LiveputOptimizer(table, MigrationCostModel(CONSTANTS, GPT_1_5B), horizon=8)
+    first = optimizer.decide(None, range(32))
+    assert (first.layout.pp, first.layout.dp) == (8, 4) and first.plan is None and first.cost.restart  # cold start
+    again = optimizer.decide(first.layout, range(32), certain_forecast([32] * 7, [0] * 7))
+    assert again.layout == first.layout and again.cost.seconds == 0
+    # three leave with notice: the job keeps going on the survivors, paying for the change
+    gone = {first.layout.slots[0], first.layout.slots[9], first.layout.slots[17]}
+    after = optimizer.decide(first.layout, set(range(32)) - gone, certain_forecast([29] * 7, [0] * 7), gone)
+    assert after.layout.workers.isdisjoint(gone) and 0 < after.cost.seconds < 15
+    assert after.plan is not None and after.plan.new == after.layout
