@@ -23,7 +23,7 @@ from predictor.forecast import FORECASTERS, make_forecaster  # noqa: E402
 from predictor.traces import AvailabilityTrace  # noqa: E402
 
 BUDGET_SECONDS = 0.2
-DEFAULT_TRACE = "/work/shared/traces/aws-p3/p3-trace.csv"
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "aws-p3" / "p3-trace.csv")
 
 
 def main() -> int:

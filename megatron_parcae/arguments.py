@@ -55,6 +55,14 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true")
 
 
+def _add_parcae_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parcae")
+    g.add_argument("--parcae", action="store_true", help="train with in-place layout changes")
+    g.add_argument("--parcae-layout-schedule", default=None, metavar="ITER:T,P,D[:leave=W1,W2][:join=K];...",
+                   help="change the layout at these iterations, no coordinator; workers are torchrun ranks, "
+                        "joining workers the last K ranks (started with the job, idle until they join)")
+
+
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True)
@@ -96,7 +104,8 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=prog, description="megatron-core pretraining with megatron-parcae")
     parser.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
-    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_data_args, _add_checkpoint_args):
+    for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_data_args, _add_checkpoint_args,
+                _add_parcae_args):
         add(parser)
     return parser
 
@@ -202,6 +211,11 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     args.stage_layers = stage_layers(args.num_layers, P, args.decoder_first_pipeline_num_layers,
                                      args.decoder_last_pipeline_num_layers)
+    total_workers = world_size
+    if args.parcae_layout_schedule is not None:
+        world_size -= _parse_layout_schedule(args)
+        _check(world_size > 0, f"--parcae-layout-schedule: its joining workers take all {total_workers} processes, "
+                               "none is left to start the job")
     _check(world_size % (T * P) == 0,
            f"world size {world_size} is not a multiple of --tensor-model-parallel-size {T} x "
            f"--pipeline-model-parallel-size {P}")
@@ -222,6 +236,36 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.load is not None:
         _check(Path(args.load).is_dir(), f"--load: no checkpoint directory {args.load}")
     _validate_data(args)
+    if args.parcae_layout_schedule is not None:
+        _check_layout_schedule(args, total_workers)
+
+
+def _parse_layout_schedule(args: argparse.Namespace) -> int:
+    """Check the schedule's syntax; returns the workers that start idle (they join later)."""
+    from megatron_parcae.layout_schedule import joining_workers, parse_layout_schedule
+
+    _check(args.parcae, "--parcae-layout-schedule needs --parcae")
+    _check(args.load is None, "--parcae-layout-schedule cannot be combined with --load")
+    try:
+        return joining_workers(parse_layout_schedule(args.parcae_layout_schedule))
+    except ValueError as exc:
+        raise ArgumentError(f"--parcae-layout-schedule: {exc}") from None
+
+
+def _check_layout_schedule(args: argparse.Namespace, total_workers: int) -> None:
+    """Plan every change now (vocabulary size aside), so an impossible one fails before training."""
+    from megatron_parcae.layout_schedule import parse_layout_schedule, plan_schedule
+    from reconfig.layout import ModelShape, Parallelism
+
+    shape = ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
+                       args.ffn_hidden_size, args.make_vocab_size_divisible_by * 8, args.max_position_embeddings)
+    initial = Parallelism(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                          args.data_parallel_size, args.stage_layers)
+    try:
+        plan_schedule(parse_layout_schedule(args.parcae_layout_schedule), initial, total_workers, shape,
+                      args.use_distributed_optimizer)
+    except ValueError as exc:
+        raise ArgumentError(f"--parcae-layout-schedule: {exc}") from None
 
 
 def stage_layers(num_layers: int, pipeline: int, first: int | None, last: int | None) -> tuple[int, ...]:

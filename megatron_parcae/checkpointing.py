@@ -131,7 +131,7 @@ def load(root: str, runtime):
     for shard in shards:
         for key in STATE_KEYS:
             empty = torch.empty(shard.param.shape, dtype=torch.float32, device=shard.param.device)
-            item = _sharded(shard, key, empty, tied_copy=False)
+            item = _sharded(shard, key, empty, _is_tied_copy(shard))
             template[item.key] = item
     loaded = dist_checkpointing.load(template, str(directory))
     states = {s.global_name: {key: loaded[f"{key}/{s.global_name}"] for key in STATE_KEYS} for s in shards}

@@ -126,6 +126,7 @@ def enable_cpu_support() -> bool:
     torch.cuda.empty_cache = lambda: None
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    torch.set_flush_denormal(True)
     _CudaToCpuMode().__enter__()  # for the life of the process
     _ENABLED = True
     return True

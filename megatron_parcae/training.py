@@ -31,11 +31,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_parcae.arguments import ArgumentError, exit_on_argument_error, parse_args
 from megatron_parcae.cpu import enable_cpu_support
 from megatron_parcae.data.datasets import build_tokenizer, build_train_dataset, rank_micro_batches, step_iterator
 from megatron_parcae.models import build_model_chunk, padded_vocab_size, transformer_config, wrap_for_training
+from reconfig.execute import ScheduledReconfiguration
 from reconfig.tensors import unwrap
+from reconfig.world import release_parallel_state
 
 
 @dataclass
@@ -168,7 +169,7 @@ class LayoutRuntime:
     def destroy(self) -> None:
         """Drop this layout's objects and process groups (megatron-core forgets some)."""
         self.model = self.optimizer = self.scheduler = None
-        ps.destroy_model_parallel()
+        release_parallel_state()
 
 
 def _global_mean_losses(outputs: list[dict[str, torch.Tensor]], total_micro_batches: int) -> dict[str, float]:
@@ -219,22 +220,24 @@ def initialize_distributed() -> None:
         dist.init_process_group("gloo", timeout=timedelta(minutes=10))
 
 
-def pretrain(model: str, argv: list[str] | None = None) -> int:
-    """Entry point of the pretraining scripts."""
-    prog = os.path.basename(sys.argv[0]) if argv is None else f"pretrain_{model}.py"
-    try:
-        args = parse_args(argv, prog=prog, model=model)
-    except ArgumentError as exc:
-        exit_on_argument_error(prog, exc)
+def run_training(args: argparse.Namespace, prog: str) -> int:
+    """Train as `args` say; the arguments were validated before any process group exists."""
     initialize_distributed()
     from megatron_parcae import checkpointing
 
-    rank0 = dist.get_rank() == 0
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
     dataset = build_train_dataset(args, tokenizer)
-    runtime = LayoutRuntime(args, vocab)
-    progress = Progress()
+    schedule = None
+    if args.parcae_layout_schedule:
+        schedule = ScheduledReconfiguration(args, vocab, LayoutRuntime)
+        runtime, start = schedule.start()
+        if runtime is None:
+            return 0  # an idle worker that no change placed
+        progress = Progress(start, start * args.global_batch_size)
+    else:
+        runtime, progress = LayoutRuntime(args, vocab), Progress()
+    rank0 = dist.get_rank() == 0
     if args.load:
         try:
             progress = checkpointing.load(args.load, runtime)
@@ -246,6 +249,12 @@ def pretrain(model: str, argv: list[str] | None = None) -> int:
             print(f" loaded checkpoint {args.load} at iteration {progress.iteration}", flush=True)
     window_start, window_iters = time.perf_counter(), 0
     while progress.iteration < args.train_iters:
+        if schedule:
+            runtime, iteration = schedule.advance(runtime, progress.iteration)
+            if runtime is None:
+                return 0  # left the job
+            progress = Progress(iteration, iteration * args.global_batch_size)
+            rank0 = dist.get_rank() == 0
         report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
         result = runtime.train_step(dataset, progress, report)
         progress.iteration += 1

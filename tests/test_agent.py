@@ -9,18 +9,12 @@ import threading
 import time
 
 import pytest
-from test_etcd import LEASE_S, envelope, etcd_server, new_job, python_child, wait_for  # noqa: F401  (one shared etcd)
+from test_etcd import LEASE_S, envelope, new_job, python_child, wait_for
 
 from megatron_parcae.agent import AgentError, ParcaeAgent
 from megatron_parcae.etcd import EtcdClient, JobStore
 
 GRACE_S = 30.0
-
-
-@pytest.fixture
-def client(etcd_server):
-    with EtcdClient(etcd_server.endpoint, timeout=3) as c:
-        yield c
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The etcd layer against a real etcd server: schema, fencing, leadership, errors, auth/TLS.
 
-One server serves this file and tests/test_agent.py (it imports `etcd_server`); a second
-one, with TLS and authentication, serves the credential tests.
+One server (conftest.py) serves this file and tests/test_agent.py; a second one, with TLS
+and authentication, serves the credential tests.
 """
 
 from __future__ import annotations
@@ -42,26 +42,6 @@ from reconfig.plan import MigrationRequest, plan_migration
 
 REPO = Path(__file__).resolve().parents[1]
 LEASE_S = 2.0  # etcd's shortest lease with its default 100 ms heartbeat
-
-_server: EtcdServer | None = None
-
-
-@pytest.fixture(scope="session")
-def etcd_server(request):
-    """One etcd for the whole session, shared by every module that imports this fixture
-    (pytest gives each importing module its own fixture cache, hence the global)."""
-    global _server
-    if _server is None:
-        _server = EtcdServer().start()
-        request.config.add_cleanup(_server.stop)
-    return _server
-
-
-@pytest.fixture
-def client(etcd_server):
-    with EtcdClient(etcd_server.endpoint, timeout=3) as c:
-        yield c
-
 
 def new_job() -> str:
     return f"test-{uuid.uuid4().hex[:10]}"

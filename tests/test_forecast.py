@@ -22,7 +22,9 @@ from predictor.forecast import (
 )
 from predictor.traces import AvailabilityTrace
 
-SHARED = Path("/work/shared/traces")
+import conftest
+
+SHARED = conftest.TRACES
 QUICK_DEFAULT = {"default": {"members": ("last-value", "rolling-median")}}  # no Prophet fits
 GOOD_FORECAST = {"interval_seconds": 60, "expected": [1.0], "quantiles": {"0.1": [0.5], "0.5": [1.0], "0.9": [1.5]},
                  "preemptions": [0.1], "arrivals": [0.1]}

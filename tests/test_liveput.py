@@ -27,7 +27,9 @@ from predictor.forecast import AvailabilityForecast
 from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationRequest, plan_migration
 
-ANCHORS = "/work/shared/anchors/parcae"
+import conftest
+
+ANCHORS = str(conftest.ANCHORS)
 CONSTANTS = CostConstants.load()
 GPT_1_5B = CONSTANTS.model("gpt-1.5b")
 TINY = ModelShape("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128,

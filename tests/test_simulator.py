@@ -15,7 +15,9 @@ from megatron_parcae.simulator import Replay, Simulation
 from megatron_parcae.sizing import cycled
 from predictor.traces import AvailabilityTrace
 
-SHARED = "/work/shared"
+import conftest
+
+SHARED = str(conftest.SHARED)
 P3 = f"{SHARED}/traces/aws-p3/p3-trace.csv"
 GPT = f"{SHARED}/anchors/parcae/gpt-1.5b.csv"
 BERT = f"{SHARED}/anchors/parcae/bert.csv"

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from predictor.traces import AvailabilityTrace, TraceFormatError
 
-SHARED = Path("/work/shared/traces")
+import conftest
+
+SHARED = conftest.TRACES
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

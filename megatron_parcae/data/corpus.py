@@ -18,7 +18,12 @@ from typing import Iterator
 from megatron_parcae.data.preprocess import preprocess
 from megatron_parcae.data.tokenizer import Tokenizer, train_tokenizer
 
-TINY_VOCAB_SIZE = 384
+# Byte-level BPE for GPT, WordPiece for BERT, sized so that 50 iterations of the tiny
+# models visibly learn: a small BPE vocabulary makes next-token statistics dense; a
+# word-level WordPiece vocabulary makes masked-token statistics informative.
+GPT_VOCAB_SIZE = 384
+BERT_VOCAB_SIZE = 4096
+MANIFEST = "parcae-tiny-data.json"
 
 
 def python_docs() -> Iterator[str]:
@@ -56,16 +61,21 @@ def prepare_tiny_datasets(data_dir: str | Path = "data") -> dict[str, str]:
         "gpt_prefix": data_dir / "python-docs-gpt_text_document",
         "bert_prefix": data_dir / "python-docs-bert_text_sentence",
     }
-    if all(Path(str(files[k]) + ".idx").is_file() for k in ("gpt_prefix", "bert_prefix")):
-        return {k: str(v) for k, v in files.items()}
+    manifest = {"python": sys.version.split()[0], "gpt_vocab": GPT_VOCAB_SIZE, "bert_vocab": BERT_VOCAB_SIZE}
+    try:
+        if json.loads((data_dir / MANIFEST).read_text()) == manifest:
+            return {k: str(v) for k, v in files.items()}
+    except (OSError, ValueError):
+        pass
     corpus = write_corpus(files["corpus"])
     texts = list(python_docs())
-    train_tokenizer("GPT2BPETokenizer", texts, TINY_VOCAB_SIZE, str(files["gpt_vocab"]), str(files["gpt_merges"]))
-    train_tokenizer("BertWordPieceLowerCase", texts, TINY_VOCAB_SIZE, str(files["bert_vocab"]))
+    train_tokenizer("GPT2BPETokenizer", texts, GPT_VOCAB_SIZE, str(files["gpt_vocab"]), str(files["gpt_merges"]))
+    train_tokenizer("BertWordPieceLowerCase", texts, BERT_VOCAB_SIZE, str(files["bert_vocab"]))
     gpt = Tokenizer("GPT2BPETokenizer", str(files["gpt_vocab"]), str(files["gpt_merges"]))
     bert = Tokenizer("BertWordPieceLowerCase", str(files["bert_vocab"]))
     preprocess(str(corpus), str(data_dir / "python-docs-gpt"), gpt, append_eod=True)
     preprocess(str(corpus), str(data_dir / "python-docs-bert"), bert, split=True)
+    (data_dir / MANIFEST).write_text(json.dumps(manifest))
     return {k: str(v) for k, v in files.items()}
 
 

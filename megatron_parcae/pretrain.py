@@ -1,0 +1,23 @@
+"""Entry point of scripts/pretrain_gpt.py and scripts/pretrain_bert.py.
+
+Arguments are parsed and checked before torch, megatron-core or any process group is
+loaded, so a bad flag fails in a fraction of a second with one line, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from megatron_parcae.arguments import ArgumentError, exit_on_argument_error, parse_args
+
+
+def pretrain(model: str, argv: list[str] | None = None) -> int:
+    prog = os.path.basename(sys.argv[0]) if argv is None else f"pretrain_{model}.py"
+    try:
+        args = parse_args(argv, prog=prog, model=model)
+    except ArgumentError as exc:
+        exit_on_argument_error(prog, exc)
+    from megatron_parcae.training import run_training
+
+    return run_training(args, prog)

@@ -1,0 +1,377 @@
+"""Carry out a MigrationPlan in the running processes, at an iteration boundary.
+
+Every process of the old and new layouts calls `migrate` with the same plan: each
+exports its state, drops its layout (model, optimizer, megatron-core groups), joins the
+WORLD of the generation, sends exactly the slices the plan names to exactly the workers
+it names (point-to-point), and then, if it has a slot, builds the new layout and writes
+the state it kept plus what it received into the new model and optimizer. Workers that
+leave (with notice) or go on standby send and then let go of WORLD.
+
+Slice geometry is the planner's (reconfig/plan.py): a tensor's TP-partitioned dimension
+is axis 0 in fractions of the full tensor, TP rank t of T holding [t/T, (t+1)/T) (for a
+partition stride s, in each of the s blocks alike); axis 1 is the rest, flattened, in
+fractions rounded down to elements, so the pieces of any two layouts tile exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_parcae.layout_schedule import ScheduledMigration, parse_layout_schedule, plan_schedule
+from megatron_parcae.optimizer_state import (
+    STATE_KEYS,
+    export_param_states,
+    import_param_states,
+    initialize_optimizer_states,
+    step_count,
+)
+from reconfig.layout import ModelShape, Parallelism
+from reconfig.plan import OPTIMIZER, PARAMS, PARAMS_AND_OPTIMIZER, MigrationPlan, Range, Transfer
+from reconfig.tensors import ParamShard, param_shards, unwrap
+from reconfig.world import World
+
+_KEYS_OF_STATE = {PARAMS_AND_OPTIMIZER: STATE_KEYS, PARAMS: ("param",), OPTIMIZER: ("exp_avg", "exp_avg_sq")}
+_WHOLE: Range = (Fraction(0), Fraction(1))
+
+
+class Runtime(Protocol):
+    """What the executor needs of a layout's megatron-core objects (training.LayoutRuntime)."""
+
+    model: list
+    optimizer: Any
+    scheduler: Any
+
+    def destroy(self) -> None: ...
+
+
+RuntimeFactory = Callable[[Parallelism], Runtime]
+
+
+class MigrationError(RuntimeError):
+    """The plan and the model (or a peer's message) disagree: state would be lost or wrong."""
+
+
+def unit_of(global_name: str) -> str:
+    """The planner's state unit (reconfig/layout.py) of a parameter's global name."""
+    if global_name.startswith("embedding.word_embeddings."):
+        return "embedding.word"
+    if global_name.startswith("embedding."):
+        return "embedding.position"
+    if global_name.startswith("decoder.layers."):
+        return f"layer.{global_name.split('.')[2]}"
+    return "head"
+
+
+@dataclass
+class HeldState:
+    """What a worker brings out of the old layout: its TP shard of every parameter's state."""
+
+    shards: dict[str, ParamShard]
+    tensors: dict[str, dict[str, torch.Tensor]]
+    tp_rank: int
+    tp_size: int
+    step: int
+
+
+@dataclass
+class _Received:
+    name: str
+    key: str
+    split_range: Range | None
+    shard_range: Range
+    values: torch.Tensor
+
+
+def _region(tensor: torch.Tensor, shard: ParamShard, tp_rank: int, tp_size: int,
+            split_range: Range | None, shard_range: Range) -> torch.Tensor:
+    """The part of this rank's shard that lies in split_range x shard_range, as a writable view.
+
+    `split_range` is in fractions of the full tensor and must lie inside this rank's cell;
+    None means the whole cell. A tensor that is not TP-split has one cell.
+    """
+    if shard.partition_dim is None:
+        view, lo, hi = tensor.view(1, 1, -1), Fraction(0), Fraction(1)
+    else:
+        moved = tensor.movedim(shard.partition_dim, 0)
+        view = moved.view(shard.partition_stride, moved.shape[0] // shard.partition_stride, -1)
+        lo, hi = _WHOLE if split_range is None else (split_range[0] * tp_size - tp_rank,
+                                                     split_range[1] * tp_size - tp_rank)
+        if not 0 <= lo < hi <= 1:
+            raise MigrationError(f"{shard.global_name}: slice {split_range} is outside TP rank {tp_rank}/{tp_size}")
+    rows, cols = view.shape[1], view.shape[2]
+    first, last = lo * rows, hi * rows
+    if first.denominator != 1 or last.denominator != 1:
+        raise MigrationError(f"{shard.global_name}: slice {split_range} does not fall on whole rows")
+    return view[:, int(first):int(last), int(shard_range[0] * cols):int(shard_range[1] * cols)]
+
+
+def _outgoing(held: HeldState, transfer: Transfer) -> list[tuple[str, str, torch.Tensor]]:
+    """(name, key, values) of every tensor slice a transfer carries, in a fixed order."""
+    items = []
+    for name in sorted(n for n in held.tensors if unit_of(n) == transfer.unit):
+        shard = held.shards[name]
+        split = shard.partition_dim is not None
+        if (split and transfer.split_range is None) or (not split and not transfer.replicated):
+            continue
+        for key in _KEYS_OF_STATE[transfer.state]:
+            part = _region(held.tensors[name][key], shard, held.tp_rank, held.tp_size,
+                           transfer.split_range if split else None, transfer.shard_range)
+            items.append((name, key, part.reshape(-1)))
+    if not items:
+        raise MigrationError(f"worker holds no parameter of {transfer.unit} that the plan asks it to send")
+    return items
+
+
+def _parse_header(raw: bytes, src: int, expected: int) -> list[tuple[str, str, int]]:
+    """A peer's list of (name, key, element count), checked before any tensor is touched."""
+    try:
+        entries = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MigrationError(f"message from worker {src}: unreadable header ({exc})") from None
+    if not isinstance(entries, list) or not all(
+            isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[1] in STATE_KEYS
+            and isinstance(e[2], int) and not isinstance(e[2], bool) and e[2] >= 0 for e in entries):
+        raise MigrationError(f"message from worker {src}: header is not a list of [name, key, count]")
+    if sum(e[2] for e in entries) != expected:
+        raise MigrationError(f"message from worker {src}: header counts {sum(e[2] for e in entries)} "
+                             f"elements, the payload has {expected}")
+    return [tuple(e) for e in entries]
+
+
+def _exchange(plan: MigrationPlan, world: World, held: HeldState | None) -> list[_Received]:
+    """Send and receive this worker's transfers; three messages each: sizes, header, payload."""
+    me, rank_of = world.worker, {w: r for r, w in enumerate(world.members)}
+    sends, incoming = [], []
+    for index, t in enumerate(plan.transfers):
+        if t.src == me:
+            if held is None:
+                raise MigrationError(f"plan has worker {me} send {t.unit}, but it holds no state")
+            items = _outgoing(held, t)
+            header = json.dumps([[n, k, v.numel()] for n, k, v in items]).encode()
+            payload = torch.cat([v for _, _, v in items]).float()
+            messages = [torch.tensor([len(header), payload.numel()], dtype=torch.int64),
+                        torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+            messages += [payload] if payload.numel() else []
+            sends += [dist.isend(m, rank_of[t.dst], tag=3 * index + i) for i, m in enumerate(messages)]
+        if t.dst == me:
+            sizes = torch.empty(2, dtype=torch.int64)
+            incoming.append((index, t, sizes, dist.irecv(sizes, rank_of[t.src], tag=3 * index)))
+    bodies = []
+    for index, t, sizes, request in incoming:
+        request.wait()
+        header = torch.empty(int(sizes[0]), dtype=torch.uint8)
+        payload = torch.empty(int(sizes[1]), dtype=torch.float32)
+        waits = [dist.irecv(header, rank_of[t.src], tag=3 * index + 1)]
+        waits += [dist.irecv(payload, rank_of[t.src], tag=3 * index + 2)] if payload.numel() else []
+        bodies.append((t, header, payload, waits))
+    received = []
+    for t, header, payload, waits in bodies:
+        for w in waits:
+            w.wait()
+        offset = 0
+        for name, key, count in _parse_header(header.numpy().tobytes(), t.src, payload.numel()):
+            received.append(_Received(name, key, t.split_range, t.shard_range, payload[offset: offset + count]))
+            offset += count
+    for s in sends:
+        s.wait()
+    return received
+
+
+def _assemble(runtime: Runtime, held: HeldState | None, received: list[_Received],
+              sharded_keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every new local parameter's state: what this worker kept plus what it received.
+
+    Keys in `sharded_keys` (distributed-optimizer moments) arrive only for this rank's
+    DP shard; the disjoint shards are summed over the new DP group to make them whole.
+    """
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    own_shard = (Fraction(dp_rank, dp_size), Fraction(dp_rank + 1, dp_size))
+    shards = {s.global_name: s for chunk in runtime.model for s in param_shards(unwrap(chunk))}
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    filled: dict[tuple[str, str], torch.Tensor] = {}
+    for name, shard in shards.items():
+        states[name] = {}
+        for key in STATE_KEYS:
+            states[name][key] = torch.zeros(shard.param.shape, dtype=torch.float32, device=shard.param.device)
+            filled[name, key] = torch.zeros(shard.param.shape, dtype=torch.bool)
+        if held is None or name not in held.tensors:
+            continue
+        old = held.shards[name]
+        kept: Range | None = None
+        if shard.partition_dim is not None:
+            kept = (max(Fraction(held.tp_rank, held.tp_size), Fraction(tp_rank, tp_size)),
+                    min(Fraction(held.tp_rank + 1, held.tp_size), Fraction(tp_rank + 1, tp_size)))
+            if kept[0] >= kept[1]:
+                continue
+        for key in STATE_KEYS:
+            _region(states[name][key], shard, tp_rank, tp_size, kept, _WHOLE).copy_(
+                _region(held.tensors[name][key], old, held.tp_rank, held.tp_size, kept, _WHOLE))
+            _region(filled[name, key], shard, tp_rank, tp_size, kept, _WHOLE).fill_(True)
+    for piece in received:
+        shard = shards.get(piece.name)
+        if shard is None:
+            raise MigrationError(f"received {piece.name}, which this rank's new stage does not hold")
+        split = piece.split_range if shard.partition_dim is not None else None
+        target = _region(states[piece.name][piece.key], shard, tp_rank, tp_size, split, piece.shard_range)
+        if target.numel() != piece.values.numel():
+            raise MigrationError(f"received {piece.values.numel()} values of {piece.name} {piece.key}, "
+                                 f"its slice holds {target.numel()}")
+        target.copy_(piece.values.view(target.shape))
+        _region(filled[piece.name, piece.key], shard, tp_rank, tp_size, split, piece.shard_range).fill_(True)
+    for (name, key), mask in filled.items():
+        needed = _region(mask, shards[name], tp_rank, tp_size, None, own_shard if key in sharded_keys else _WHOLE)
+        if not bool(needed.all()):
+            raise MigrationError(f"{name} ({key}): {int((~needed).sum())} values neither kept nor received")
+        if key in sharded_keys:
+            states[name][key].masked_fill_(~_own(mask, shards[name], tp_rank, tp_size, own_shard), 0.0)
+    if sharded_keys and dp_size > 1:
+        flat = torch.cat([states[n][k].reshape(-1) for n in shards for k in sharded_keys])
+        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+        offset = 0
+        for n in shards:
+            for k in sharded_keys:
+                states[n][k].view(-1).copy_(flat[offset: offset + states[n][k].numel()])
+                offset += states[n][k].numel()
+    return states
+
+
+def _own(like: torch.Tensor, shard: ParamShard, tp_rank: int, tp_size: int, own_shard: Range) -> torch.Tensor:
+    """Mask of this DP rank's axis-1 shard (each element of a DP column is owned once)."""
+    mask = torch.zeros_like(like)
+    _region(mask, shard, tp_rank, tp_size, None, own_shard).fill_(True)
+    return mask
+
+
+def export_held_state(runtime: Runtime) -> HeldState:
+    """This worker's state before its layout is dropped (collective over the old DP group)."""
+    states = export_param_states(runtime.model, runtime.optimizer)
+    return HeldState({s.shard.global_name: s.shard for s in states},
+                     {s.shard.global_name: s.tensors for s in states},
+                     ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                     step_count(runtime.optimizer))
+
+
+def migrate(plan: MigrationPlan, generation: int, world: World, runtime: Runtime | None,
+            build: RuntimeFactory, scheduler_steps: int) -> Runtime | None:
+    """Move this worker to `plan.new`; returns its new runtime, or None when it has no slot.
+
+    Called by every worker of the old layout still running and every worker the plan
+    places, with the same plan and generation. `runtime` is None for a worker that holds
+    nothing (joining). `scheduler_steps` is the LR scheduler's position (consumed samples).
+    """
+    held = export_held_state(runtime) if runtime is not None else None
+    if runtime is not None:
+        runtime.destroy()
+        del runtime
+        gc.collect()  # DDP hooks keep the old model in reference cycles
+    new_slots = plan.new.slots
+    senders = sorted({t.src for t in plan.transfers} - set(new_slots))
+    members = tuple(new_slots) + tuple(senders)
+    if world.members != members:
+        world.reform(members, f"g{generation}")
+    received = _exchange(plan, world, held) if world.worker in members else []
+    if world.worker not in new_slots:
+        world.leave()
+        return None
+    if world.members != new_slots:
+        world.reform(new_slots, f"g{generation}.layout")
+    new_runtime = build(plan.new.parallelism)
+    initialize_optimizer_states(new_runtime.optimizer)
+    sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
+    states = _assemble(new_runtime, held, received, sharded)
+    step = torch.tensor([held.step if held else 0], dtype=torch.int64)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # joining workers learn Adam's step count
+    import_param_states(new_runtime.model, new_runtime.optimizer, states, int(step))
+    new_runtime.scheduler.num_steps = scheduler_steps
+    new_runtime.scheduler.step(increment=0)
+    return new_runtime
+
+
+def layout_args(args: argparse.Namespace, parallelism: Parallelism) -> argparse.Namespace:
+    """The run's arguments with another layout's T, P, D and layer partition."""
+    layers = parallelism.stage_layers
+    uneven = len(set(layers)) > 1
+    return argparse.Namespace(**{
+        **vars(args),
+        "tensor_model_parallel_size": parallelism.tp,
+        "pipeline_model_parallel_size": parallelism.pp,
+        "data_parallel_size": parallelism.dp,
+        "stage_layers": layers,
+        "decoder_first_pipeline_num_layers": layers[0] if uneven else None,
+        "decoder_last_pipeline_num_layers": layers[-1] if uneven else None,
+    })
+
+
+def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
+    """What the planner needs to know of the model the arguments describe."""
+    half = args.bf16 or args.fp16
+    return ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
+                      args.ffn_hidden_size, vocab_size, args.max_position_embeddings,
+                      param_bytes_per_param=2 if half else 4, optimizer_bytes_per_param=12 if half else 8)
+
+
+class ScheduledReconfiguration:
+    """The training loop's hook for `--parcae-layout-schedule`: the changes, applied in order."""
+
+    def __init__(self, args: argparse.Namespace, vocab_size: int,
+                 runtime_factory: Callable[[argparse.Namespace, int], Runtime]) -> None:
+        self.world = World.from_torchrun()
+        self.initial = Parallelism(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                   args.data_parallel_size, args.stage_layers)
+        migrations = plan_schedule(parse_layout_schedule(args.parcae_layout_schedule), self.initial,
+                                   dist.get_world_size(), model_shape(args, vocab_size),
+                                   args.use_distributed_optimizer)
+        self.migrations = [m for m in migrations if m.iteration < args.train_iters]
+        self.samples_per_iteration = args.global_batch_size
+        self.build: RuntimeFactory = lambda p: runtime_factory(layout_args(args, p), vocab_size)
+
+    def start(self) -> tuple[Runtime | None, int]:
+        """The first layout this worker is in and the iteration it starts at (None: never used)."""
+        active = tuple(range(self.initial.world_size))
+        if self.world.members != active:
+            self.world.reform(active, "g0")
+        if self.world.worker in active:
+            return self.build(self.initial), 0
+        return self._join_after(0)
+
+    def advance(self, runtime: Runtime, iteration: int) -> tuple[Runtime | None, int]:
+        """Apply the change due after `iteration` steps, if any.
+
+        Returns the runtime to train with and its iteration; a worker left on standby
+        waits here for the change that places it again. None: this worker is done.
+        """
+        due = next((m for m in self.migrations if m.iteration == iteration), None)
+        if due is None:
+            return runtime, iteration
+        started = time.perf_counter()
+        new = self._run(due, runtime)
+        if new is not None and dist.get_rank() == 0:
+            p = due.plan.new.parallelism
+            print(f" layout change at iteration {iteration}: {due.plan.kind} migration to tp {p.tp} pp {p.pp} "
+                  f"dp {p.dp}, {due.plan.bytes_total()} bytes planned, "
+                  f"{(time.perf_counter() - started) * 1000.0:.1f} ms", flush=True)
+        if new is not None or self.world.worker in due.plan.request.leaving:
+            return new, iteration
+        return self._join_after(due.generation)
+
+    def _run(self, migration: ScheduledMigration, runtime: Runtime | None) -> Runtime | None:
+        return migrate(migration.plan, migration.generation, self.world, runtime, self.build,
+                       migration.iteration * self.samples_per_iteration)
+
+    def _join_after(self, generation: int) -> tuple[Runtime | None, int]:
+        for m in self.migrations:
+            if m.generation > generation and self.world.worker in m.plan.new.workers:
+                return self._run(m, None), m.iteration
+        return None, 0

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv with megatron-parcae and everything it needs (etcd server included).
+# On a machine without an NVIDIA GPU it installs torch's CPU build; with a GPU it keeps
+# whatever torch the environment already has (or the default CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    .venv/bin/pip install -q torch
+  else
+    .venv/bin/pip install -q torch==2.13.0
+  fi
+fi
+.venv/bin/pip install -q -e ".[test]"
+.venv/bin/python -m megatron_parcae.data.corpus data >/dev/null
+echo "megatron-parcae is set up in .venv (tiny datasets in data/)"

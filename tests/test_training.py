@@ -1,0 +1,81 @@
+"""scripts/pretrain_gpt.py under torchrun with gloo: layouts, checkpoints, bad input.
+
+Real megatron-core models and schedules in real processes; every run trains the tiny
+configs' data (the Python documentation).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from launch import SMALL_GPT, assert_close, layout_flags, losses, torchrun, write_tracker
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data) -> dict[int, float]:
+    return losses(torchrun("pretrain_gpt.py", 1, SMALL_GPT + ["--train-iters", "10"]))
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-adam"])
+@pytest.mark.parametrize("layout", LAYOUTS[1:], ids=lambda t: "T%dP%dD%d" % t)
+def test_layouts_train_the_same_model(reference, layout, distributed_optimizer):
+    tp, pp, dp = layout
+    extra = ["--use-distributed-optimizer"] if distributed_optimizer else []
+    run = torchrun("pretrain_gpt.py", tp * pp * dp, SMALL_GPT + layout_flags(tp, pp) + ["--train-iters", "10"] + extra)
+    assert_close(losses(run), reference)
+
+
+@pytest.mark.parametrize("resume_layout", [(1, 2, 1), (2, 1, 2)], ids=["same-layout", "other-layout"])
+def test_resume_continues_exactly(tiny_data, tmp_path, resume_layout):
+    save = tmp_path / "ckpt"
+    full = losses(torchrun("pretrain_gpt.py", 2, SMALL_GPT + layout_flags(1, 2) + [
+        "--train-iters", "20", "--save", str(save), "--save-interval", "10", "--use-distributed-optimizer"]))
+    write_tracker(save, 10)
+    tp, pp, dp = resume_layout
+    resumed = torchrun("pretrain_gpt.py", tp * pp * dp, SMALL_GPT + layout_flags(tp, pp) + [
+        "--train-iters", "20", "--load", str(save)])
+    assert "loaded checkpoint" in resumed.stdout
+    assert_close(losses(resumed), {it: loss for it, loss in full.items() if it > 10})
+
+
+def _fail(args: list[str], world_size: int = 1) -> str:
+    """Run the script as a torchrun rank would; return its one-line error."""
+    env = {**os.environ, "WORLD_SIZE": str(world_size), "RANK": "0"}
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "pretrain_gpt.py"), *args],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,world,flag", [
+    (["--num-attention-heads", "3", "--tensor-model-parallel-size", "2"], 2, "--num-attention-heads"),
+    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "--num-layers"),
+    (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, "--global-batch-size"),
+    (["--tensor-model-parallel-size", "2"], 3, "world size 3"),
+    (["--data-path", "data/no-such-dataset"], 1, "--data-path"),
+], ids=["heads", "layers", "global-batch", "world-size", "data-path"])
+def test_bad_input_fails_in_one_line(tiny_data, args, world, flag):
+    assert flag in _fail(["--config", "configs/gpt-tiny.yaml", *args], world)
+
+
+def test_unknown_config_key_is_named(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text((REPO / "configs" / "gpt-tiny.yaml").read_text() + "num-layerz: 4\n")
+    assert "num-layerz" in _fail(["--config", str(config)])
+
+
+@pytest.mark.parametrize("script,config", [("pretrain_gpt.py", "gpt-tiny"), ("pretrain_bert.py", "bert-tiny")])
+def test_tiny_configs_learn_in_50_iterations(tiny_data, script, config):
+    run = losses(torchrun(script, 2, ["--config", f"configs/{config}.yaml", "--train-iters", "50",
+                                      *layout_flags(1, 2)]))
+    first, last = run[min(run)], run[max(run)]
+    assert last < 0.8 * first, (first, last)
