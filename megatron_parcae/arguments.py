@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
 
@@ -161,13 +161,16 @@ def _int_exact(v: float) -> int:
     return int(v)
 
 
-def parse_args(argv: Sequence[str] | None, prog: str, model: str, world_size: int | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None, prog: str, model: str, world_size: int | None = None,
+               extend: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     """Parse flags over an optional YAML config (flags win) and validate the result.
 
     `world_size` defaults to torchrun's WORLD_SIZE; it is checked here so that a bad
-    layout fails before any process group exists.
+    layout fails before any process group exists. `extend` adds a command's own flags.
     """
     parser = build_parser(prog)
+    if extend is not None:
+        extend(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     pre_parser = _OneLineParser(add_help=False)
     pre_parser.add_argument("--config", default=None)

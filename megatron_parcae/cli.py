@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "forecast": ("predictor.backtest", "back-test availability forecasters on a spot trace"),
     "simulate": ("megatron_parcae.simulator", "replay a spot trace and compare layout policies"),
     "plan": ("megatron_parcae.sizing", "size a spot cluster for a deadline or a budget"),
+    "profile": ("megatron_parcae.profile", "measure per-layer costs of a model for the throughput model"),
 }
 
 

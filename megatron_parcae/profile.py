@@ -1,0 +1,199 @@
+"""`parcae profile`: measure a model's per-layer costs on this device for the throughput model.
+
+The liveput optimizer's analytic 1F1B model (megatron_parcae/liveput/throughput.py, format
+`megatron-parcae-layer-profile`) needs, for the embedding, every transformer layer and
+the head: forward and backward time of one micro-batch at T = 1, the activation bytes a
+micro-batch keeps until its backward, and the bytes a stage sends on. This command builds
+the real megatron-core model (one process, T = P = 1), runs each unit on its own with
+inputs of the configured shape, and writes those figures:
+
+    parcae profile --output gpt-1.5b.profile.json -- --config configs/gpt-1.5b.yaml --bf16 \\
+        --transformer-impl transformer_engine --mock-data --vocab-size 50257
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from megatron_parcae.arguments import ArgumentError, parse_args
+
+DEFAULT_LINK_BYTES_PER_SECOND = 1.25e9  # 10 Gb/s, the network of Parcae's p3.2xlarge cluster
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", required=True, help="profile JSON to write")
+    parser.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per unit (after one warm-up)")
+    parser.add_argument("--link-bytes-per-second", type=float, default=DEFAULT_LINK_BYTES_PER_SECOND,
+                        help="bandwidth between workers (pipeline p2p, data-parallel all-reduce)")
+    parser.add_argument("--tensor-parallel-bytes-per-second", type=float, default=None,
+                        help="bandwidth of tensor-parallel all-reduces (default: the link bandwidth)")
+    parser.add_argument("--max-tensor-parallel", type=int, default=8, help="GPUs that share a fast link")
+    parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
+                        help="-- then the model's Megatron-LM flags or --config FILE.yaml")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _UnitTimer:
+    """Times one unit's forward and backward and counts what autograd saves for backward."""
+
+    def __init__(self, repeats: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.repeats = repeats
+
+    def _sync(self) -> None:
+        if self.torch.cuda.is_available():
+            self.torch.cuda.synchronize()
+
+    def measure(self, forward: Callable[[], "object"]) -> tuple[dict, object]:
+        torch = self.torch
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        fwd, bwd = [], []
+        for run in range(self.repeats + 1):
+            self._sync()
+            start = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = forward()
+            self._sync()
+            mid = time.perf_counter()
+            out.backward(torch.ones_like(out) / out.numel())
+            self._sync()
+            if run:  # the first run warms up
+                fwd.append(mid - start)
+                bwd.append(time.perf_counter() - mid)
+        fwd.sort()
+        bwd.sort()
+        unit = {"forward_ms": 1000 * fwd[len(fwd) // 2], "backward_ms": 1000 * bwd[len(bwd) // 2],
+                "optimizer_ms": 0.0, "activation_bytes": float(sum(saved.values())),
+                "output_bytes": float(out.numel() * out.element_size())}
+        return unit, out.detach()
+
+
+def measure(args: argparse.Namespace, repeats: int) -> dict:
+    """Per-unit costs of the model `args` describe, on this process's device."""
+    import torch
+
+    from megatron_parcae.data.datasets import build_tokenizer
+    from megatron_parcae.models import padded_vocab_size
+    from megatron_parcae.training import LayoutRuntime, initialize_distributed
+    from reconfig.tensors import unwrap
+
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    initialize_distributed()
+    vocab = padded_vocab_size(build_tokenizer(args).vocab_size, args)
+    runtime = LayoutRuntime(args, vocab)
+    chunk = unwrap(runtime.model[0])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    b, s = args.micro_batch_size, args.seq_length
+    tokens = torch.randint(0, vocab, (b, s), device=device)
+    positions = torch.arange(s, device=device).expand(b, s)
+    timer = _UnitTimer(repeats)
+    bert = args.model == "bert"
+    mask = torch.zeros(b, 1, 1, s, dtype=torch.bool, device=device) if bert else None
+
+    embedding, hidden = timer.measure(lambda: chunk.embedding(input_ids=tokens, position_ids=positions))
+    layers = []
+    for layer in chunk.decoder.layers:
+        x = hidden.clone().requires_grad_(True)
+        unit, hidden = timer.measure(lambda: layer(hidden_states=x, attention_mask=mask)[0])
+        layers.append(unit)
+    x = hidden.clone().requires_grad_(True)
+    weight = chunk.shared_embedding_or_output_weight()
+
+    def head():
+        h = chunk.lm_head(hidden_states=x) if bert else chunk.decoder.final_layernorm(x)
+        logits, _ = chunk.output_layer(h, weight=weight)
+        loss = chunk.compute_language_model_loss(tokens, logits)
+        if bert and chunk.binary_head is not None:
+            loss = loss.float().mean() + chunk.binary_head(chunk.pooler(x, 0)).float().mean()
+        return loss.float().mean().view(1)
+
+    head_unit, _ = timer.measure(head)
+    start = time.perf_counter()
+    runtime.optimizer.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    optimizer_ms = 1000 * (time.perf_counter() - start)
+    return {"embedding": embedding, "layers": layers, "head": head_unit, "optimizer_ms": optimizer_ms,
+            "vocab_size": vocab, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+
+
+def _memory_bytes() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    import psutil
+
+    return float(psutil.virtual_memory().total)
+
+
+def build_profile(args: argparse.Namespace, measured: dict, options: argparse.Namespace) -> dict:
+    """The profile document, with the optimizer step shared out over units by parameters."""
+    from reconfig.layout import ModelShape
+
+    mixed = args.bf16 or args.fp16
+    shape = ModelShape(kind=args.model, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+                       vocab_size=measured["vocab_size"], max_position_embeddings=args.max_position_embeddings,
+                       param_bytes_per_param=2 if mixed else 4, optimizer_bytes_per_param=12 if mixed else 8)
+    units = {u.name: u.params for u in shape.units()}
+    total = sum(units.values())
+    share = {name: measured["optimizer_ms"] * params / total for name, params in units.items()}
+    embedding = {**measured["embedding"],
+                 "optimizer_ms": sum(v for k, v in share.items() if k.startswith("embedding"))}
+    layers = [{**unit, "optimizer_ms": share[f"layer.{i}"]} for i, unit in enumerate(measured["layers"])]
+    head = {**measured["head"], "optimizer_ms": share.get("head", 0.0)}
+    return {
+        "format": "megatron-parcae-layer-profile", "version": 1,
+        "model": Path(args.config).stem if args.config else args.model,
+        "device": measured["device"],
+        "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
+        "gpu_memory_bytes": _memory_bytes(),
+        "link_bytes_per_second": options.link_bytes_per_second,
+        "tensor_parallel_bytes_per_second": options.tensor_parallel_bytes_per_second or options.link_bytes_per_second,
+        "max_tensor_parallel": options.max_tensor_parallel,
+        # weights + fp32 gradient + Adam (+ fp32 main weights when training in 16 bits)
+        "memory_bytes_per_param": 18 if mixed else 16,
+        "gradient_bytes_per_param": 4,  # megatron DDP reduces gradients in fp32 here
+        "model_shape": shape.to_dict(),
+        "embedding": embedding, "layers": layers, "head": head,
+    }
+
+
+def run(options: argparse.Namespace) -> int:
+    megatron_args = [a for a in options.megatron_args if a != "--"]
+    try:
+        if options.repeats < 1:
+            raise ArgumentError("--repeats must be positive")
+        args = parse_args(megatron_args, prog="parcae profile", model=options.model, world_size=1)
+        if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+            raise ArgumentError("profiles are measured at T = P = 1 (drop the parallel-size flags)")
+    except ArgumentError as exc:
+        print(f"parcae profile: error: {exc}", file=sys.stderr)
+        return 2
+    profile = build_profile(args, measure(args, options.repeats), options)
+    Path(options.output).write_text(json.dumps(profile, indent=1))
+    layer_ms = sum(u["forward_ms"] + u["backward_ms"] for u in profile["layers"]) / len(profile["layers"])
+    print(f"{options.output}: {len(profile['layers'])} layers, {layer_ms:.2f} ms forward+backward per layer "
+          f"per micro-batch on {profile['device']}")
+    return 0
