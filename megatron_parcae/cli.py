@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("megatron_parcae.simulator", "replay a spot trace and compare layout policies"),
     "plan": ("megatron_parcae.sizing", "size a spot cluster for a deadline or a budget"),
     "profile": ("megatron_parcae.profile", "measure per-layer costs of a model for the throughput model"),
+    "coordinator": ("megatron_parcae.coordinator", "decide layouts live and publish plans in etcd (one leader per job)"),
+    "status": ("megatron_parcae.status", "show a job's generation, layout, members, forecast and last migrations"),
 }
 
 

@@ -334,6 +334,7 @@ class ScheduledReconfiguration:
                                    dist.get_world_size(), model_shape(args, vocab_size),
                                    args.use_distributed_optimizer)
         self.migrations = [m for m in migrations if m.iteration < args.train_iters]
+        self.generation = 0  # the last one this worker took part in
         self.samples_per_iteration = args.global_batch_size
         self.build: RuntimeFactory = lambda p: runtime_factory(layout_args(args, p), vocab_size)
 
@@ -352,7 +353,7 @@ class ScheduledReconfiguration:
         Returns the runtime to train with and its iteration; a worker left on standby
         waits here for the change that places it again. None: this worker is done.
         """
-        due = next((m for m in self.migrations if m.iteration == iteration), None)
+        due = next((m for m in self.migrations if m.iteration == iteration and m.generation > self.generation), None)
         if due is None:
             return runtime, iteration
         started = time.perf_counter()
@@ -367,6 +368,7 @@ class ScheduledReconfiguration:
         return self._join_after(due.generation)
 
     def _run(self, migration: ScheduledMigration, runtime: Runtime | None) -> Runtime | None:
+        self.generation = migration.generation
         return migrate(migration.plan, migration.generation, self.world, runtime, self.build,
                        migration.iteration * self.samples_per_iteration)
 

@@ -12,7 +12,7 @@ import pytest
 from test_etcd import LEASE_S, envelope, new_job, python_child, wait_for
 
 from megatron_parcae.agent import AgentError, ParcaeAgent
-from megatron_parcae.etcd import EtcdClient, JobStore
+from megatron_parcae.etcd import JobStore
 
 GRACE_S = 30.0
 
