@@ -44,6 +44,11 @@ def _main_params(opt) -> dict[torch.nn.Parameter, torch.Tensor]:
     return {p: p for group in opt.optimizer.param_groups for p in group["params"]}
 
 
+def _managed(opt: DistributedOptimizer) -> set[torch.nn.Parameter]:
+    """Every parameter whose state `opt` keeps (its model_param_gbuf_map lists only this DP rank's)."""
+    return {p for buffer in opt.buffers for p in buffer.param_index_map}
+
+
 def _shards(model_chunks) -> list[ParamShard]:
     return [shard for chunk in model_chunks for shard in param_shards(unwrap(chunk))]
 
@@ -76,7 +81,8 @@ def export_param_states(model_chunks, optimizer) -> list[ParamState]:
     out: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
     for opt in _optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):
-            out.update(_gather_distributed(opt, [s for s in shards if s.param in opt.model_param_gbuf_map]))
+            managed = _managed(opt)
+            out.update(_gather_distributed(opt, [s for s in shards if s.param in managed]))
             continue
         for model_param, main in _main_params(opt).items():
             state = opt.optimizer.state.get(main, {})
@@ -123,8 +129,9 @@ def import_param_states(model_chunks, optimizer, states: dict[str, dict[str, tor
     with torch.no_grad():
         for opt in _optimizers(optimizer):
             if isinstance(opt, DistributedOptimizer):
+                managed = _managed(opt)
                 for model_param, tensors in by_param.items():
-                    if model_param not in opt.model_param_gbuf_map:
+                    if model_param not in managed:
                         continue
                     model_param.copy_(tensors["param"])
                     if model_param in opt.model_param_group_index_map:

@@ -95,7 +95,7 @@ def measure(args: argparse.Namespace, repeats: int) -> dict:
     from megatron_parcae.data.datasets import build_tokenizer
     from megatron_parcae.models import padded_vocab_size
     from megatron_parcae.training import LayoutRuntime, initialize_distributed
-    from reconfig.tensors import unwrap
+    from reconfig.tensors import transformer_layers, unwrap
 
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     initialize_distributed()
@@ -112,7 +112,7 @@ def measure(args: argparse.Namespace, repeats: int) -> dict:
 
     embedding, hidden = timer.measure(lambda: chunk.embedding(input_ids=tokens, position_ids=positions))
     layers = []
-    for layer in chunk.decoder.layers:
+    for layer in transformer_layers(chunk):
         x = hidden.clone().requires_grad_(True)
         unit, hidden = timer.measure(lambda: layer(hidden_states=x, attention_mask=mask)[0])
         layers.append(unit)

@@ -39,7 +39,7 @@ from megatron_parcae.optimizer_state import (
 from reconfig.layout import ModelShape, Parallelism
 from reconfig.plan import OPTIMIZER, PARAMS, PARAMS_AND_OPTIMIZER, MigrationPlan, Range, Transfer
 from reconfig.tensors import ParamShard, param_shards, unwrap
-from reconfig.world import World
+from reconfig.world import World, live_process_groups
 
 _KEYS_OF_STATE = {PARAMS_AND_OPTIMIZER: STATE_KEYS, PARAMS: ("param",), OPTIMIZER: ("exp_avg", "exp_avg_sq")}
 _WHOLE: Range = (Fraction(0), Fraction(1))
@@ -68,7 +68,7 @@ def unit_of(global_name: str) -> str:
         return "embedding.word"
     if global_name.startswith("embedding."):
         return "embedding.position"
-    if global_name.startswith("decoder.layers."):
+    if global_name.startswith(("decoder.layers.", "encoder.layers.")):  # GPT, BERT
         return f"layer.{global_name.split('.')[2]}"
     return "head"
 
@@ -362,7 +362,8 @@ class ScheduledReconfiguration:
             p = due.plan.new.parallelism
             print(f" layout change at iteration {iteration}: {due.plan.kind} migration to tp {p.tp} pp {p.pp} "
                   f"dp {p.dp}, {due.plan.bytes_total()} bytes planned, "
-                  f"{(time.perf_counter() - started) * 1000.0:.1f} ms", flush=True)
+                  f"{(time.perf_counter() - started) * 1000.0:.1f} ms, {live_process_groups()} process groups",
+                  flush=True)
         if new is not None or self.world.worker in due.plan.request.leaving:
             return new, iteration
         return self._join_after(due.generation)

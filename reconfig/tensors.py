@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")  # GPT's block is the decoder, BERT's the encoder
 TIED_OUTPUT = "output_layer.weight"
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -44,10 +44,14 @@ class ParamShard:
         return torch.cat(chunks[tp_rank::tp_size], dim=self.partition_dim)
 
 
+def transformer_layers(chunk: torch.nn.Module) -> torch.nn.ModuleList:
+    """The transformer layers of a GPT (decoder) or BERT (encoder) chunk."""
+    block = getattr(chunk, "decoder", None) or getattr(chunk, "encoder", None)
+    return getattr(block, "layers", None) or torch.nn.ModuleList()
+
+
 def _layer_numbers(chunk: torch.nn.Module) -> list[int]:
-    decoder = getattr(chunk, "decoder", None)
-    layers = getattr(decoder, "layers", None) or []
-    return [layer.layer_number - 1 for layer in layers]
+    return [layer.layer_number - 1 for layer in transformer_layers(chunk)]
 
 
 def param_shards(chunk: torch.nn.Module) -> Iterator[ParamShard]:
@@ -55,7 +59,7 @@ def param_shards(chunk: torch.nn.Module) -> Iterator[ParamShard]:
     global_layers = _layer_numbers(chunk)
     tied = bool(getattr(chunk, "share_embeddings_and_output_weights", False))
     for local_name, param in chunk.named_parameters():
-        name = _LOCAL_LAYER.sub(lambda m: f"decoder.layers.{global_layers[int(m.group(1))]}.", local_name)
+        name = _LOCAL_LAYER.sub(lambda m: f"{m.group(1)}.layers.{global_layers[int(m.group(2))]}.", local_name)
         if tied and name == TIED_OUTPUT:
             name = WORD_EMBEDDING  # the last stage's copy of the tied word embedding
         split = bool(getattr(param, "tensor_model_parallel", False))

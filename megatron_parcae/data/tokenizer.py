@@ -30,7 +30,9 @@ class Tokenizer:
             self._tok = BertWordPieceTokenizer(vocab_file, lowercase=tokenizer_type.endswith("LowerCase"))
         else:
             raise ValueError(f"unknown tokenizer type {tokenizer_type!r}")
-        self.vocab = self._tok.get_vocab()
+        # Ordered by id: `tokenizers` returns its vocabulary in hash order, which changes from
+        # process to process, and megatron's BERT dataset draws random tokens from this order.
+        self.vocab = dict(sorted(self._tok.get_vocab().items(), key=lambda item: item[1]))
         self.inv_vocab = {i: t for t, i in self.vocab.items()}
         self.vocab_size = len(self.vocab)
         # megatron-core's datasets hash this into their cache key.

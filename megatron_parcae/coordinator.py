@@ -1,0 +1,609 @@
+"""`parcae coordinator`: the one process that decides the job's layout and publishes plans.
+
+Each interval it feeds the predictor's forecaster the interval's available workers,
+preemptions and arrivals, asks the liveput optimizer (the same objects the simulator
+drives) for the layout of the coming interval, and publishes the next generation's
+`PlanEnvelope` in etcd when the layout changes. It does not wait for the boundary when
+membership forces a change: watches on the members and notices wake it at once.
+
+Rules it keeps:
+- Only the leader acts: every write is a transaction guarded by the leader lease, and a
+  second coordinator waits (doing nothing) until the first resigns or its lease expires.
+- All of its state is in etcd: the generation and layout are the newest plan; what the
+  forecaster needs (availability history) and who was admitted to the layout are the
+  `CoordinatorState` record under `/parcae/<job>/coordinator`. A restarted coordinator
+  continues from them; a generation is published only in a transaction that sees the
+  previous one, so none is published twice.
+- A change the membership forces (a notice, a lost worker) is published at once. A
+  change the optimizer merely prefers (growth, a better shape) waits until every worker
+  of the current layout has acknowledged it, so plans are applied one at a time.
+- A worker whose member record changed process (it died and came back under the same
+  id) lost its state: it counts as lost, and joins again later as a new worker. Workers
+  dropped as lost that still hold a member key (a notice whose deadline passed) are
+  fenced: their lease is revoked, so their agents report `fenced` and they exit.
+- Workers a layout does not use are standby (a plan's `standby`); they join later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_parcae.etcd import (
+    EtcdClient,
+    EtcdError,
+    JobKeys,
+    JobStore,
+    Leadership,
+    NotLeader,
+    PlanEnvelope,
+    SchemaError,
+    TLSFiles,
+)
+from megatron_parcae.etcd.client import Put
+from megatron_parcae.etcd.keys import (
+    MAX_GENERATION,
+    MAX_TIMESTAMP,
+    MAX_WORKER_ID,
+    Field,
+    MemberRecord,
+    Record,
+    validate,
+)
+from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, MigrationCostModel
+from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
+from megatron_parcae.liveput.throughput import load_profile
+from predictor.forecast import AvailabilityForecast, Forecaster, make_forecaster
+from reconfig.layout import Layout
+from reconfig.plan import MIGRATION_KINDS
+
+log = logging.getLogger("parcae.coordinator")
+
+STATE_KEY = "coordinator"  # under the job prefix
+HISTORY_KEPT = 10_080  # intervals of availability history kept (a week of minutes)
+DECISIONS_KEPT = 16  # published decisions kept for `parcae status`, as many as the plans kept
+DECISION_KINDS = ("start", "restart", *MIGRATION_KINDS)  # "restart": resumed from a checkpoint
+PASSWORD_ENV = "PARCAE_ETCD_PASSWORD"
+
+
+class ConfigError(ValueError):
+    """A coordinator config that cannot be used; the message names the file, key and why."""
+
+
+# -- configuration -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """What the coordinator is told in its YAML file (keys are these names with '-')."""
+
+    profile: Path  # throughput table (CSV) or layer profile (JSON), as `parcae simulate --profile`
+    model: str | None = None  # model shape in the cost constants, for a CSV profile
+    cost_constants: Path = DEFAULT_CONSTANTS
+    interval_seconds: float | None = None  # default: the cost constants'
+    lookahead: int = 8  # intervals the liveput optimizer plans over
+    grace_seconds: float | None = None  # notice before a preemption; default: the cost constants'
+    lease_seconds: float = 10.0  # leader lease: how long a dead coordinator blocks its successor
+    max_workers: int = 64  # largest job the layer-profile model enumerates layouts for
+    min_workers: int = 1  # the first plan waits for this many workers
+
+    @classmethod
+    def load(cls, path: str | Path) -> CoordinatorConfig:
+        """Read and validate a YAML file; paths in it are relative to the file's folder."""
+        where = f"coordinator config {path}"
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read: {exc.strerror or exc}") from None
+        except (UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{where}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        return cls.from_dict(data, where, Path(path).parent)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str, base: Path) -> CoordinatorConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
+        names = {f.name.replace("_", "-"): f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in data if k not in names)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(names)}")
+        if "profile" not in data:
+            raise ConfigError(f"{where}: 'profile' is required (a throughput CSV or a layer-profile JSON)")
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            name = names[key]
+            if name in ("profile", "cost_constants"):
+                values[name] = _existing_file(where, key, value, base)
+            elif name == "model":
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"{where}: model: expected a model name, got {value!r}")
+                values[name] = value
+            elif name in ("lookahead", "max_workers", "min_workers"):
+                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+                    raise ConfigError(f"{where}: {key}: expected an integer from 1 to 1000000, got {value!r}")
+                values[name] = value
+            else:
+                minimum = 0.0 if name == "grace_seconds" else None
+                values[name] = _seconds(where, key, value, minimum)
+        config = cls(**values)
+        if config.min_workers > config.max_workers:
+            raise ConfigError(f"{where}: min-workers {config.min_workers} exceeds max-workers {config.max_workers}")
+        return config
+
+    def optimizer(self) -> LiveputOptimizer:
+        """The liveput optimizer of this job, built as `parcae simulate` builds it."""
+        constants = CostConstants.load(self.cost_constants)
+        constants = dataclasses.replace(
+            constants,
+            interval_seconds=self.interval_seconds or constants.interval_seconds,
+            grace_period_seconds=constants.grace_period_seconds if self.grace_seconds is None else self.grace_seconds,
+        )
+        throughput = load_profile(self.profile, constants.models, self.model, self.max_workers)
+        return LiveputOptimizer(throughput, MigrationCostModel(constants, throughput.model_shape), self.lookahead)
+
+
+def _existing_file(where: str, key: str, value: Any, base: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: {key}: expected a file path, got {value!r}")
+    path = Path(value) if Path(value).is_absolute() else base / value
+    if not path.is_file():
+        raise ConfigError(f"{where}: {key}: no file {path}")
+    return path
+
+
+def _seconds(where: str, key: str, value: Any, minimum: float | None) -> float:
+    """A number of seconds: positive, or at least `minimum` when one is given."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value < 1e9
+    if not ok or (value < minimum if minimum is not None else value <= 0):
+        kind = f"number of seconds >= {minimum:g}" if minimum is not None else "positive number of seconds"
+        raise ConfigError(f"{where}: {key}: expected a {kind}, got {value!r}")
+    return float(value)
+
+
+# -- what the coordinator keeps in etcd ----------------------------------------------
+
+_DECISION_SCHEMA = {
+    "generation": Field(int, 1, MAX_GENERATION),
+    "at": Field(float, 0, MAX_TIMESTAMP),
+    "reason": Field(str, 1, 500),
+    "kind": Field(str, 1, 32),
+    "seconds": Field(float, 0, 1e9),
+}
+
+
+@dataclass(frozen=True)
+class CoordinatorState(Record):
+    """What a restarted coordinator needs beyond the newest plan.
+
+    `history` rows are [available, preempted, arrived] per interval, oldest first, the
+    last ending at `boundary_at`; `previous` were available at that boundary and `seen`
+    at some time since. `admitted` maps a worker of the layout to the process holding
+    its slot, [pid, registered_at] from its member record. `decisions` are the newest
+    published ones, for `parcae status`; `forecast` the last one made.
+    """
+
+    interval_seconds: float
+    boundary_at: float
+    history: list
+    previous: list
+    seen: list
+    admitted: dict
+    decisions: list
+    forecast: dict | None
+
+    SCHEMA = {
+        "interval_seconds": Field(float, 1e-3, 1e9),
+        "boundary_at": Field(float, 0, MAX_TIMESTAMP),
+        "history": Field(list),
+        "previous": Field(list),
+        "seen": Field(list),
+        "admitted": Field(dict),
+        "decisions": Field(list),
+        "forecast": Field(dict, nullable=True),
+    }
+
+    def check(self, where: str) -> None:
+        if len(self.history) > HISTORY_KEPT:
+            raise SchemaError(f"{where}.history", f"{len(self.history)} rows, more than {HISTORY_KEPT}")
+        for i, row in enumerate(self.history):
+            if not (isinstance(row, list) and len(row) == 3 and all(_is_count(v) for v in row)):
+                raise SchemaError(f"{where}.history[{i}]", f"expected [available, preempted, arrived], got {row!r}")
+        for name in ("previous", "seen"):
+            for value in getattr(self, name):
+                if not _is_count(value) or value > MAX_WORKER_ID:
+                    raise SchemaError(f"{where}.{name}", f"{value!r} is not a worker id")
+        for worker, process in self.admitted.items():
+            ok = worker.isascii() and worker.isdigit() and int(worker) <= MAX_WORKER_ID and isinstance(process, list) \
+                and len(process) == 2 and _is_count(process[0]) and isinstance(process[1], (int, float)) \
+                and not isinstance(process[1], bool) and math.isfinite(process[1])
+            if not ok:
+                raise SchemaError(f"{where}.admitted",
+                                  f"expected worker id -> [pid, registered_at], got {worker!r}: {process!r}")
+        if len(self.decisions) > DECISIONS_KEPT:
+            raise SchemaError(f"{where}.decisions", f"{len(self.decisions)} entries, more than {DECISIONS_KEPT}")
+        for i, decision in enumerate(self.decisions):
+            checked = validate(decision, _DECISION_SCHEMA, f"{where}.decisions[{i}]")
+            if checked["kind"] not in DECISION_KINDS:
+                raise SchemaError(f"{where}.decisions[{i}].kind", f"expected one of {', '.join(DECISION_KINDS)}")
+        if self.forecast is not None:
+            try:
+                AvailabilityForecast.from_dict(self.forecast)
+            except (ValueError, TypeError) as exc:
+                raise SchemaError(f"{where}.forecast", str(exc)) from None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53
+
+
+def state_key(keys: JobKeys) -> str:
+    return keys.prefix + STATE_KEY
+
+
+def read_state(store: JobStore) -> CoordinatorState | None:
+    """The coordinator's record of a job, validated; None if no coordinator wrote one."""
+    kv = store.client.get(state_key(store.keys))
+    return None if kv is None else CoordinatorState.decode(kv.value, kv.key)
+
+
+# -- the state machine ---------------------------------------------------------------
+
+
+def _process(member: MemberRecord) -> list:
+    """Which process a member record belongs to: [pid, registered_at]."""
+    return [member.pid, member.registered_at]
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """The workers as one decision sees them, relative to the current layout."""
+
+    available: frozenset[int]  # members without a notice that can hold a slot now
+    leaving: frozenset[int]  # in the layout, under a notice whose deadline has not passed
+    lost: frozenset[int]  # in the layout, and neither available nor leaving
+    restarted: frozenset[int]  # in the layout, but their member key belongs to a new process
+
+
+class Coordinator:
+    """Leader election, then reconcile on every membership change and interval boundary.
+
+    `serve()` blocks until `stop()`; use one instance per process. Decisions go through
+    one `LiveputOptimizer` kept for the coordinator's life (it caches plans and costs).
+    """
+
+    def __init__(self, store: JobStore, config: CoordinatorConfig, optimizer: LiveputOptimizer, candidate: str) -> None:
+        self._store = store
+        self._client: EtcdClient = store.client
+        self._config = config
+        self._optimizer = optimizer
+        self._interval = optimizer.interval
+        self._leadership = Leadership(store.client, store.keys.job, candidate, config.lease_seconds)
+        self._state_key = state_key(store.keys)
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._resumed = False
+        self._last_warning = ""
+        # Loaded from etcd by _resume() each time leadership is won; made here once so
+        # that its imports are paid before a takeover, not during one.
+        self._forecaster: Forecaster = make_forecaster("default", self._interval)
+        self._forecast: AvailabilityForecast | None = None
+        self._history: deque[list[int]] = deque(maxlen=HISTORY_KEPT)
+        self._boundary_at = 0.0
+        self._previous: set[int] | None = None
+        self._seen: set[int] = set()
+        self._admitted: dict[int, list] = {}
+        self._decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
+        self._busy_until = 0.0  # monotonic time the last migration is expected to end
+
+    @property
+    def is_leader(self) -> bool:
+        return self._leadership.is_leader
+
+    def stop(self) -> None:
+        """Ask `serve()` to return (safe from a signal handler or another thread)."""
+        self._stopping.set()
+        self._wake.set()
+
+    def serve(self) -> None:
+        """Campaign for leadership, lead while it lasts, campaign again if it is lost."""
+        keys = self._store.keys
+        watches = [self._client.watch(prefix, lambda events: self._wake.set(), prefix=True)
+                   for prefix in (keys.members, keys.notices)]
+        try:
+            with self._leadership:
+                while not self._stopping.is_set():
+                    holder = self._leader_name()
+                    if holder:
+                        log.info("waiting for leadership of job %s: %s holds it", keys.job, holder)
+                    if not self._leadership.wait_until_leader(self._stopping):
+                        break
+                    log.info("%s leads job %s", self._leadership.candidate, keys.job)
+                    self._lead()
+        finally:
+            for watch in watches:
+                watch.stop()
+
+    def _leader_name(self) -> str:
+        try:
+            leader = self._store.leader()
+        except (EtcdError, SchemaError):
+            return ""
+        return "" if leader is None else f"{leader.candidate} (pid {leader.pid})"
+
+    def _lead(self) -> None:
+        self._resumed = False
+        while not self._stopping.is_set() and self._leadership.is_leader:
+            self._wake.clear()
+            try:
+                if not self._resumed:
+                    self._resume()
+                self._reconcile()
+            except NotLeader as exc:
+                log.warning("leadership lost: %s", exc)
+                return
+            except SchemaError as exc:
+                self._warn_once(f"cannot decide: {exc}; waiting for a change")
+            except EtcdError as exc:
+                log.warning("etcd: %s; retrying", exc)
+                self._stopping.wait(1.0)
+                continue
+            until_boundary = self._boundary_at + self._interval - time.time() if self._resumed else 1.0
+            self._wake.wait(max(0.05, min(until_boundary, self._config.lease_seconds / 3)))
+        if not self._stopping.is_set():
+            log.warning("%s no longer holds the leader lease", self._leadership.candidate)
+
+    def _warn_once(self, message: str) -> None:
+        if message != self._last_warning:
+            log.warning("%s", message)
+            self._last_warning = message
+
+    # -- state kept in etcd --------------------------------------------------------
+
+    def _resume(self) -> None:
+        """Load the availability history and admitted workers; rebuild the forecaster."""
+        try:
+            state = read_state(self._store)
+        except SchemaError as exc:
+            log.error("%s; starting a new availability history", exc)
+            state = None
+        self._forecaster = make_forecaster("default", self._interval)
+        self._history.clear()
+        self._forecast = None
+        self._previous, self._seen = None, set()
+        self._boundary_at = time.time()
+        if state is not None and state.interval_seconds == self._interval:
+            for row in state.history:
+                self._observe(row)
+            self._boundary_at = state.boundary_at
+            self._previous, self._seen = set(state.previous), set(state.seen)
+            self._forecast = self._make_forecast()
+        elif state is not None:
+            log.warning("the saved availability history has %g s intervals, this coordinator %g s: starting a new one",
+                        state.interval_seconds, self._interval)
+        self._admitted = {int(w): p for w, p in state.admitted.items()} if state is not None else {}
+        self._decisions = deque(state.decisions if state is not None else (), maxlen=DECISIONS_KEPT)
+        self._busy_until = 0.0
+        self._resumed = True
+        log.info("resumed with %d intervals of availability history and generation %d",
+                 len(self._history), self._store.current_generation())
+
+    def _save(self) -> None:
+        state = CoordinatorState(
+            self._interval, self._boundary_at, list(self._history), sorted(self._previous or ()), sorted(self._seen),
+            {str(w): p for w, p in sorted(self._admitted.items())}, list(self._decisions),
+            None if self._forecast is None else self._forecast.to_dict(),
+        )
+        if not self._client.txn(self._leadership.guard(), [Put(self._state_key, state.encode())]).succeeded:
+            raise NotLeader(f"{self._leadership.candidate} lost the leader lease while saving its state")
+
+    # -- forecasting ---------------------------------------------------------------
+
+    def _observe(self, row: list[int]) -> None:
+        self._history.append(row)
+        self._forecaster.observe(*row)
+
+    def _make_forecast(self) -> AvailabilityForecast | None:
+        """The forecast of the intervals after the coming one (None: assume no change)."""
+        if not self._history or self._optimizer.horizon < 2:
+            return None
+        return self._forecaster.forecast(self._optimizer.horizon - 1)
+
+    def _close_intervals(self, available: frozenset[int], now: float) -> bool:
+        """Record every interval that ended by `now`; True if any did.
+
+        Intervals missed while no coordinator ran get the count seen now and no events
+        (the first of them takes the events seen), so the history stays one row per interval.
+        """
+        if self._previous is None:
+            self._previous, self._seen = set(available), set(available)
+            return False
+        self._seen |= available
+        elapsed = math.floor((now - self._boundary_at) / self._interval)
+        if elapsed < 1:
+            return False
+        count = len(available)
+        self._observe([count, len(self._seen - available), len(self._seen - self._previous)])
+        for _ in range(min(elapsed - 1, HISTORY_KEPT)):
+            self._observe([count, 0, 0])
+        self._boundary_at += elapsed * self._interval
+        self._previous, self._seen = set(available), set(available)
+        self._forecast = self._make_forecast()
+        return True
+
+    # -- deciding ------------------------------------------------------------------
+
+    def _view(self, current: Layout | None, members: dict[int, MemberRecord], now: float) -> MemberView:
+        notices = {w: n for w, n in self._store.notices().items() if w in members}
+        in_layout = current.workers if current is not None else frozenset()
+        restarted = frozenset(w for w in in_layout & frozenset(members)
+                              if w in self._admitted and self._admitted[w] != _process(members[w]))
+        expired = frozenset(w for w, n in notices.items() if n.deadline <= now)
+        available = frozenset(members) - frozenset(notices) - restarted
+        leaving = (frozenset(notices) - expired - restarted) & in_layout
+        return MemberView(available, leaving, in_layout - available - leaving, restarted)
+
+    def _reconcile(self) -> None:
+        """Read the job's state once and publish the next generation if it must change."""
+        now = time.time()
+        generation = self._store.current_generation()
+        envelope = self._store.plan(generation) if generation else None
+        if generation and envelope is None:
+            raise SchemaError(self._store.keys.plan(generation), "the current generation has no plan")
+        current = None if envelope is None else Layout.from_dict(envelope.layout)
+        members = self._store.members()
+        view = self._view(current, members, now)
+        boundary = self._close_intervals(view.available, now)
+        if current is None and len(view.available) < self._config.min_workers:
+            self._warn_once(f"waiting for {self._config.min_workers} workers before the first plan "
+                            f"({len(view.available)} registered)")
+        else:
+            forced = current is not None and bool(view.lost or view.leaving)
+            settled = current is None or all(members[w].generation >= generation
+                                             for w in current.workers & view.available)
+            if forced or settled:
+                busy = 0.0 if settled else max(0.0, self._busy_until - time.monotonic())
+                decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving, busy)
+                if decision.layout is None:
+                    self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")
+                elif decision.layout != current:
+                    self._publish(generation + 1, decision, current, view, members)
+                    return
+        if boundary:
+            self._save()
+
+    def _publish(self, generation: int, decision: Decision, current: Layout | None, view: MemberView,
+                 members: dict[int, MemberRecord]) -> None:
+        assert decision.layout is not None
+        layout = decision.layout
+        envelope = PlanEnvelope(generation, time.time(), layout.to_dict(),
+                                None if decision.plan is None else decision.plan.to_dict())
+        if not self._store.publish_plan(envelope, self._leadership.guard()):
+            log.warning("generation %d was not published: the generation or the leader changed; re-reading", generation)
+            self._wake.set()
+            return
+        kind = "start" if current is None else "restart" if decision.plan is None else decision.plan.kind
+        reason = self._reason(current, layout, view)
+        p = layout.parallelism
+        log.info("generation %d published: T=%d P=%d D=%d on workers %s, standby %s; %s, %.2f s expected; %s",
+                 generation, p.tp, p.pp, p.dp, list(layout.slots), sorted(view.available - layout.workers), kind,
+                 decision.cost.seconds, reason)
+        self._last_warning = ""
+        self._busy_until = time.monotonic() + decision.cost.seconds
+        self._admitted = {w: _process(members[w]) for w in layout.workers}
+        self._decisions.append({"generation": generation, "at": envelope.created_at, "reason": reason, "kind": kind,
+                                "seconds": round(float(decision.cost.seconds), 6)})
+        self._save()
+        for worker in sorted((view.lost & frozenset(members)) - view.restarted):
+            if self._store.fence_member(worker):
+                log.info("fenced worker %d: dropped from the layout as lost while still registered", worker)
+
+    @staticmethod
+    def _reason(current: Layout | None, layout: Layout, view: MemberView) -> str:
+        if current is None:
+            return f"start on {len(layout.workers)} of {len(view.available)} workers"
+        parts = []
+        if view.leaving:
+            parts.append(f"notice from workers {_ids(view.leaving)}")
+        if view.lost:
+            parts.append(f"lost workers {_ids(view.lost)}")
+        if layout.workers - current.workers:
+            parts.append(f"workers {_ids(layout.workers - current.workers)} join")
+        if not parts:
+            parts.append("liveput prefers another layout")
+        return "; ".join(parts)
+
+
+def _ids(workers: frozenset[int], shown: int = 8) -> str:
+    """'[1, 2, 3]', or '[1, 2, ... 40 in all]' for many: reasons stay one short line."""
+    ordered = sorted(workers)
+    if len(ordered) <= shown:
+        return str(ordered)
+    return f"[{', '.join(map(str, ordered[:shown]))}, ... {len(ordered)} in all]"
+
+
+# -- command line --------------------------------------------------------------------
+
+
+def add_etcd_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where etcd is and how to authenticate to it (shared with `parcae status`)."""
+    g = parser.add_argument_group("etcd")
+    g.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint")
+    g.add_argument("--job", required=True, help="job name: its state lives under /parcae/JOB/")
+    g.add_argument("--etcd-ca", default=None, metavar="PEM", help="CA certificate: connect with TLS")
+    g.add_argument("--etcd-cert", default=None, metavar="PEM", help="client certificate (TLS, with --etcd-key)")
+    g.add_argument("--etcd-key", default=None, metavar="PEM", help="client key (TLS, with --etcd-cert)")
+    g.add_argument("--etcd-user", default=None, help=f"etcd user; the password is read from --etcd-password-file "
+                                                     f"or the {PASSWORD_ENV} environment variable")
+    g.add_argument("--etcd-password-file", default=None, metavar="FILE", help="file holding the etcd password")
+    g.add_argument("--etcd-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long to wait for etcd to answer (default 5)")
+
+
+def connect(args: argparse.Namespace) -> EtcdClient:
+    """An etcd client from the options of `add_etcd_arguments`.
+
+    Raises ValueError for bad options (a user error) and EtcdError when etcd cannot be
+    reached or refuses the credentials.
+    """
+    if (args.etcd_cert or args.etcd_key) and not args.etcd_ca:
+        raise ValueError("--etcd-cert and --etcd-key need --etcd-ca")
+    tls = TLSFiles(args.etcd_ca, args.etcd_cert, args.etcd_key) if args.etcd_ca else None
+    password = None
+    if args.etcd_password_file:
+        try:
+            password = Path(args.etcd_password_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--etcd-password-file: cannot read {args.etcd_password_file}: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    elif args.etcd_user:
+        password = os.environ.get(PASSWORD_ENV)
+    if (args.etcd_user is None) != (password is None):
+        raise ValueError(f"etcd authentication needs --etcd-user and a password "
+                         f"(--etcd-password-file or {PASSWORD_ENV})")
+    if not (math.isfinite(args.etcd_timeout) and args.etcd_timeout > 0):
+        raise ValueError(f"--etcd-timeout must be a positive number of seconds, got {args.etcd_timeout}")
+    JobKeys(args.job)  # refuse a bad job name before connecting
+    return EtcdClient(args.etcd, tls=tls, user=args.etcd_user, password=password, timeout=args.etcd_timeout)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_etcd_arguments(parser)
+    parser.add_argument("--config", required=True, metavar="FILE.yaml",
+                        help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
+                             "lease-seconds, max-workers, min-workers (see CoordinatorConfig)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s parcae coordinator: %(levelname)s %(message)s")
+    try:
+        config = CoordinatorConfig.load(args.config)
+        optimizer = config.optimizer()
+        client = connect(args)
+    except ValueError as exc:
+        print(f"parcae coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    except EtcdError as exc:
+        print(f"parcae coordinator: error: {exc}", file=sys.stderr)
+        return 1
+    with client:
+        candidate = f"{socket.gethostname()}:{os.getpid()}"
+        coordinator = Coordinator(JobStore(client, args.job), config, optimizer, candidate)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: coordinator.stop())
+        coordinator.serve()
+    return 0

@@ -1,0 +1,419 @@
+"""The coordinator against a real etcd: first plan, notices, arrivals, lost and restarted
+workers, leadership, SIGKILL and restart from etcd alone, bad config, etcd unreachable.
+
+Workers are member records on their own leases (`Worker`), or real `ParcaeAgent`s in
+child processes where a signal must become a notice. The profile is a 4-layer GPT layer
+profile on which more workers train faster, so liveput grows the layout when it can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_etcd import LEASE_S, new_job, python_child, secure_server, wait_for  # noqa: F401 (a fixture)
+
+from megatron_parcae import cli
+from megatron_parcae.coordinator import (
+    ConfigError,
+    Coordinator,
+    CoordinatorConfig,
+    CoordinatorState,
+    read_state,
+    state_key,
+)
+from megatron_parcae.etcd import JobStore, KeptLease, SchemaError
+from megatron_parcae.etcd.keys import MemberRecord, NoticeRecord
+from megatron_parcae.status import collect, render
+from reconfig.layout import Layout
+from reconfig.plan import MigrationPlan
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = {"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
+         "vocab_size": 128, "max_position_embeddings": 32}
+UNIT = {"forward_ms": 20.0, "backward_ms": 40.0, "optimizer_ms": 0.5, "activation_bytes": 1e6, "output_bytes": 1e5}
+PROFILE = {"format": "megatron-parcae-layer-profile", "version": 1, "model": "tiny", "device": "test",
+           "micro_batch_size": 1, "global_batch_size": 8, "gpu_memory_bytes": 1e9, "link_bytes_per_second": 1.25e9,
+           "tensor_parallel_bytes_per_second": 1e11, "max_tensor_parallel": 1, "memory_bytes_per_param": 16,
+           "gradient_bytes_per_param": 2, "model_shape": SHAPE, "embedding": UNIT, "layers": [UNIT] * 4, "head": UNIT}
+WAIT_S = 15.0
+
+
+def write_config(folder: Path, **overrides) -> Path:
+    """A coordinator config with the tiny profile; 30 s intervals unless overridden."""
+    (folder / "tiny.json").write_text(json.dumps(PROFILE))
+    config = {"profile": "tiny.json", "interval-seconds": 30, "lookahead": 4, "grace-seconds": 20,
+              "lease-seconds": LEASE_S, "max-workers": 8, **overrides}
+    path = folder / "coordinator.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class Worker:
+    """A member record on its own lease, standing in for a training process."""
+
+    def __init__(self, store: JobStore, worker_id: int, pid: int | None = None) -> None:
+        self.store, self.worker_id = store, worker_id
+        self.lease = KeptLease(store.client, LEASE_S)
+        self.record = MemberRecord(worker_id, f"node-{worker_id}", pid or 1000 + worker_id, time.time(), 0)
+        assert store.register_member(self.record, self.lease.id) is not None
+
+    def acknowledge(self, generation: int) -> None:
+        self.record = MemberRecord(**{**self.record.to_dict(), "generation": generation})
+        assert self.store.update_member(self.record, self.lease.id)
+
+    def notice(self, deadline_in: float) -> None:
+        now = time.time()
+        deadline = now + deadline_in
+        notice = NoticeRecord(self.worker_id, self.record.instance, "test", min(now, deadline), deadline)
+        assert self.store.post_notice(notice, self.lease.id)
+
+    def vanish(self) -> None:
+        self.lease.revoke()
+
+
+@contextlib.contextmanager
+def running(store: JobStore, config: Path, name: str = "coordinator"):
+    """A Coordinator serving in a thread of this process."""
+    loaded = CoordinatorConfig.load(config)
+    coordinator = Coordinator(store, loaded, loaded.optimizer(), name)
+    thread = threading.Thread(target=coordinator.serve, name=name, daemon=True)
+    thread.start()
+    try:
+        yield coordinator
+    finally:
+        coordinator.stop()
+        thread.join(10)
+        assert not thread.is_alive(), f"{name} did not stop"
+
+
+def wait_generation(store: JobStore, generation: int) -> Layout:
+    wait_for(lambda: store.current_generation() >= generation, WAIT_S, f"generation {generation}")
+    assert store.current_generation() == generation, "more generations than expected"
+    return Layout.from_dict(store.plan(generation).layout)
+
+
+def migration(store: JobStore, generation: int) -> MigrationPlan:
+    return MigrationPlan.from_dict(store.plan(generation).migration)
+
+
+@pytest.fixture
+def job(client, tmp_path):
+    store = JobStore(client, new_job())
+    workers: list[Worker] = []
+    yield store, workers, tmp_path
+    for worker in workers:
+        worker.lease.revoke()
+
+
+def test_first_plan_covers_the_initial_members_and_a_notice_removes_a_worker(etcd_server, job):
+    store, workers, tmp_path = job
+    config = write_config(tmp_path, **{"min-workers": 3})
+    workers += [Worker(store, 0), Worker(store, 1)]
+    agent = python_child(AGENT, etcd_server.endpoint, store.keys.job, "2")  # a real agent, for SIGTERM
+    try:
+        assert agent.stdout.readline().strip() == "ready"
+        with running(store, config):
+            first = wait_generation(store, 1)
+            assert first.workers == {0, 1, 2} and store.plan(1).migration is None
+            assert agent.stdout.readline().strip() == "applied 1"
+            agent.send_signal(signal.SIGTERM)
+            second = wait_generation(store, 2)
+            assert 2 not in second.workers and second.workers <= {0, 1}
+            plan = migration(store, 2)
+            assert plan.request.leaving == {2} and plan.request.survivors == {0, 1}
+            state = read_state(store)
+            assert [d["generation"] for d in state.decisions] == [1, 2]
+            assert state.decisions[0]["kind"] == "start" and "notice from workers [2]" in state.decisions[1]["reason"]
+            assert set(state.admitted) == {str(w) for w in second.workers}
+    finally:
+        agent.kill()
+        agent.wait()
+    status = collect(store)
+    assert status["generation"] == 2 and status["layout"] == second.to_dict()
+    assert render(status).startswith(f"job {store.keys.job}: generation 2")
+
+
+AGENT = """
+import sys
+from megatron_parcae.agent import ParcaeAgent
+from megatron_parcae.etcd import EtcdClient
+endpoint, job, worker = sys.argv[1], sys.argv[2], int(sys.argv[3])
+agent = ParcaeAgent(EtcdClient(endpoint), job, worker_id=worker, grace_seconds=20, lease_seconds=2)
+agent.start()
+print("ready", flush=True)
+while True:
+    plan = agent.pending_plan()
+    if plan is not None:
+        agent.acknowledge(plan.generation)
+        print(f"applied {plan.generation}", flush=True)
+    agent._wake.wait(0.05)
+"""
+
+
+def test_arrival_grows_the_layout_once_the_current_one_is_applied(job):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(3)]
+    with running(store, write_config(tmp_path, **{"min-workers": 3})):
+        first = wait_generation(store, 1)
+        assert len(first.workers) == 3
+        workers.append(Worker(store, 3))
+        time.sleep(1.0)  # the arrival is seen at once, but the first plan is not applied yet
+        assert store.current_generation() == 1
+        for worker in workers[:3]:
+            worker.acknowledge(1)
+        grown = wait_generation(store, 2)
+        assert grown.workers == {0, 1, 2, 3}
+        plan = migration(store, 2)
+        assert plan.request.joining == {3} and plan.request.survivors == {0, 1, 2}
+        assert "workers [3] join" in read_state(store).decisions[-1]["reason"]
+
+
+def test_lost_worker_and_restarted_process_are_dropped(job):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(4)]
+    with running(store, write_config(tmp_path, **{"min-workers": 4})):
+        layout = wait_generation(store, 1)
+        assert layout.workers == {0, 1, 2, 3}
+        for worker in workers:
+            worker.acknowledge(1)
+        workers[3].vanish()  # killed without notice
+        layout = wait_generation(store, 2)
+        assert layout.workers <= {0, 1, 2} and migration(store, 2).request.lost == {3}
+        for worker in workers[:3]:
+            worker.acknowledge(2)
+        # worker 1's process dies and a new one registers under the same id at once:
+        # its state is gone, so it may not keep its slot as a survivor
+        workers[1].vanish()
+        workers[1] = Worker(store, 1, pid=4242)
+        wait_for(lambda: store.current_generation() >= 3, WAIT_S, "a generation without the old worker 1")
+        assert "lost workers [1]" in read_state(store).decisions[-1]["reason"]
+        plan = store.plan(3).migration  # None: layers were lost, the job resumes from a checkpoint
+        assert plan is None or 1 not in MigrationPlan.from_dict(plan).request.survivors
+
+
+def test_member_whose_notice_expired_is_dropped_and_fenced(job):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(3)]
+    with running(store, write_config(tmp_path, **{"min-workers": 3})):
+        wait_generation(store, 1)
+        workers[0].notice(deadline_in=-1.0)  # its grace period is over: it cannot send state
+        layout = wait_generation(store, 2)
+        assert 0 not in layout.workers
+        wait_for(lambda: workers[0].lease.lost, WAIT_S, "worker 0's lease to be revoked")
+        assert 0 not in store.members() and {1, 2} <= set(store.members())
+
+
+def coordinator_child(endpoint: str, job: str, config: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", endpoint,
+                                 "--job", job, "--config", str(config)], env=env, stdout=out, stderr=out)
+
+
+def test_second_coordinator_waits_and_a_killed_one_is_replaced_from_etcd(etcd_server, job, client):
+    """Issue 6 point 3 and issue 7 point 2, with real `parcae coordinator` processes."""
+    store, workers, tmp_path = job
+    config = write_config(tmp_path, **{"interval-seconds": 1, "min-workers": 4})
+    workers += [Worker(store, w) for w in range(5)]
+    published: list[str] = []  # the key of every write under plans/, in order
+    watching = threading.Event()
+
+    def record(events) -> None:
+        published.extend(e.key for e in events if e.value)
+        watching.set()
+
+    watch = client.watch(store.keys.plans, record, prefix=True)
+    assert watching.wait(WAIT_S)
+    first = coordinator_child(etcd_server.endpoint, store.keys.job, config, tmp_path / "first.log")
+    second = None
+    try:
+        wait_generation(store, 1)
+        first_leader = store.leader()
+        assert first_leader.pid == first.pid
+        second = coordinator_child(etcd_server.endpoint, store.keys.job, config, tmp_path / "second.log")
+        wait_for(lambda: "waiting for leadership" in (tmp_path / "second.log").read_text(), WAIT_S,
+                 "the second coordinator to wait")
+        wait_for(lambda: len(read_state(store).history) >= 2, WAIT_S, "two intervals of history")
+        layout = Layout.from_dict(store.latest_plan().layout)
+        leaving = min(layout.workers)
+        workers[leaving].notice(deadline_in=20)
+        wait_for(lambda: leaving not in Layout.from_dict(store.latest_plan().layout).workers, WAIT_S,
+                 "the first coordinator to drop the noticed worker")
+        assert store.leader().pid == first.pid  # the second one did nothing meanwhile
+        assert "published" not in (tmp_path / "second.log").read_text()
+        before = read_state(store)
+        generation = store.current_generation()
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        layout = Layout.from_dict(store.latest_plan().layout)
+        gone = max(layout.workers)
+        workers[gone].vanish()  # lost while no coordinator acts
+        wait_for(lambda: store.current_generation() > generation, WAIT_S + 2 * LEASE_S,
+                 "the second coordinator to take over and drop the lost worker")
+        assert store.leader().pid == second.pid
+        assert gone not in Layout.from_dict(store.latest_plan().layout).workers
+        after = read_state(store)
+        assert len(after.history) >= len(before.history) and after.boundary_at >= before.boundary_at
+        assert [d["generation"] for d in after.decisions][:len(before.decisions)] == \
+            [d["generation"] for d in before.decisions]  # it continued the first one's record
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(10) == 0
+        assert store.leader() is None  # it resigned
+    finally:
+        watch.stop()
+        for child in (first, second):
+            if child is not None and child.poll() is None:
+                child.kill()
+                child.wait()
+    generations = [int(key.rsplit("/", 1)[1]) for key in published]
+    assert len(published) == len(set(published)), f"a plan was published twice: {published}"
+    assert generations == sorted(generations) and generations == list(range(1, len(generations) + 1))
+    assert all(kv.version == 1 for kv in client.get_prefix(store.keys.plans))
+
+
+def test_two_coordinators_in_one_process_never_both_act(job):
+    store, workers, tmp_path = job
+    config = write_config(tmp_path, **{"min-workers": 3})
+    workers += [Worker(store, w) for w in range(3)]
+    with running(store, config, "first") as first:
+        wait_generation(store, 1)
+        with running(store, config, "second") as second:
+            workers[0].notice(deadline_in=20)
+            wait_generation(store, 2)
+            assert first.is_leader and not second.is_leader
+            first.stop()
+            wait_for(lambda: second.is_leader, WAIT_S, "the second coordinator to lead after the first resigned")
+            workers[1].notice(deadline_in=20)
+            layout = wait_generation(store, 3)
+            assert layout.workers == {2}
+
+
+BAD_CONFIGS = [
+    ({"lookahead": 0}, "lookahead: expected an integer from 1"),
+    ({"lookahead": True}, "lookahead: expected an integer"),
+    ({"interval-seconds": -1}, "interval-seconds: expected a positive number"),
+    ({"grace-seconds": "soon"}, "grace-seconds: expected a number of seconds >= 0, got 'soon'"),
+    ({"profile": "missing.json"}, "profile: no file"),
+    ({"colour": "blue"}, "unknown key(s) colour"),
+    ({"min-workers": 9}, "min-workers 9 exceeds max-workers 8"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
+def test_bad_config_exits_2_with_a_clear_message(tmp_path, capsys, override, message):
+    config = write_config(tmp_path, **override)
+    rc = cli.main(["coordinator", "--etcd", "127.0.0.1:1", "--job", "j", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and str(config) in err and "Traceback" not in err
+
+
+def test_unusable_files_exit_2(tmp_path, capsys):
+    config = write_config(tmp_path)
+    (tmp_path / "tiny.json").write_text(json.dumps({**PROFILE, "layers": []}))
+    assert cli.main(["coordinator", "--etcd", "127.0.0.1:1", "--job", "j", "--config", str(config)]) == 2
+    assert "layers: expected a list of 4" in capsys.readouterr().err
+    config.write_text("profile: [unclosed")
+    assert cli.main(["coordinator", "--etcd", "127.0.0.1:1", "--job", "j", "--config", str(config)]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    config.write_text("- a list")
+    assert cli.main(["coordinator", "--etcd", "127.0.0.1:1", "--job", "j", "--config", str(config)]) == 2
+    assert "expected a mapping" in capsys.readouterr().err
+    assert cli.main(["coordinator", "--etcd", "127.0.0.1:1", "--job", "bad/name", "--config",
+                     str(write_config(tmp_path))]) == 2
+    assert "job name 'bad/name'" in capsys.readouterr().err
+
+
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 100), st.floats(allow_nan=True), st.text(max_size=8),
+                   st.lists(st.integers(), max_size=2))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(["profile", "model", "cost-constants", "interval-seconds", "lookahead",
+                                        "grace-seconds", "lease-seconds", "max-workers", "min-workers", "x"]),
+                       VALUES, max_size=6))
+def test_config_loader_gives_only_clear_errors(data):
+    try:
+        config = CoordinatorConfig.from_dict(data, "fuzz", REPO)
+    except ConfigError as exc:
+        assert str(exc).startswith("fuzz: ")
+    else:
+        assert config.lookahead >= 1 and config.profile.is_file()
+
+
+def test_etcd_unreachable_is_a_clear_error_within_10_s(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once the socket is closed
+    started = time.monotonic()
+    rc = cli.main(["coordinator", "--etcd", f"127.0.0.1:{port}", "--job", "j", "--config", str(write_config(tmp_path))])
+    elapsed = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert rc == 1 and f"cannot connect to etcd at 127.0.0.1:{port}" in err and "Traceback" not in err
+    assert elapsed < 10
+    assert cli.main(["status", "--etcd", f"127.0.0.1:{port}", "--job", "j", "--etcd-timeout", "1"]) == 1
+    assert "cannot connect to etcd" in capsys.readouterr().err
+
+
+def test_status_command_prints_json(etcd_server, job, capsys):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(2)]
+    with running(store, write_config(tmp_path, **{"min-workers": 2})):
+        layout = wait_generation(store, 1)
+    assert cli.main(["status", "--etcd", etcd_server.endpoint, "--job", store.keys.job, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["generation"] == 1 and status["layout"] == layout.to_dict()
+    roles = {m["worker"]: m["role"] for m in status["members"]}
+    assert roles == {w: "rank" if w in layout.workers else "standby" for w in (0, 1)}
+    assert status["migrations"][0]["kind"] == "start" and status["leader"] is None
+
+
+def test_status_over_tls_with_a_password_and_wrong_credentials(secure_server, tmp_path, capsys):
+    server, tls = secure_server
+    secret = tmp_path / "password"
+    secret.write_text("right-password\n")
+    command = ["status", "--etcd", server.endpoint, "--job", new_job(), "--etcd-ca", tls.ca, "--etcd-cert", tls.cert,
+               "--etcd-key", tls.key, "--etcd-user", "root", "--etcd-password-file", str(secret), "--json"]
+    assert cli.main(command) == 0
+    assert json.loads(capsys.readouterr().out)["generation"] == 0
+    secret.write_text("wrong-password")
+    assert cli.main(command) == 1
+    assert "check the etcd user and password" in capsys.readouterr().err
+    assert cli.main(command[:5] + ["--etcd-timeout", "1"]) == 1  # no TLS options against a TLS server
+    assert "cannot connect to etcd" in capsys.readouterr().err
+
+
+STATE = {"interval_seconds": 60.0, "boundary_at": 1.7e9, "history": [[4, 0, 0], [3, 1, 0]], "previous": [1, 2, 3],
+         "seen": [1, 2, 3], "admitted": {"1": [99, 1.7e9]}, "forecast": None,
+         "decisions": [{"generation": 1, "at": 1.7e9, "reason": "start", "kind": "start", "seconds": 3.5}]}
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"history": [[4, 0]]}, "expected [available, preempted, arrived]"),
+    ({"history": [[4, -1, 0]]}, "expected [available, preempted, arrived]"),
+    ({"seen": ["1"]}, "is not a worker id"),
+    ({"admitted": {"x": [1, 2.0]}}, "expected worker id -> [pid, registered_at]"),
+    ({"decisions": [{**STATE["decisions"][0], "kind": "rm -rf"}]}, "expected one of"),
+    ({"decisions": [{"generation": 1}]}, "missing required keys"),
+    ({"forecast": {"expected": [1.0]}}, "forecast is missing"),
+    ({"extra": 1}, "unknown keys ['extra']"),
+])
+def test_state_record_is_validated(client, change, why):
+    store = JobStore(client, new_job())
+    assert CoordinatorState.from_dict(STATE).encode()  # the good one round-trips
+    client.put(state_key(store.keys), json.dumps({**STATE, **change}).encode())
+    with pytest.raises(SchemaError) as info:
+        read_state(store)
+    assert why in str(info.value) and state_key(store.keys) in str(info.value)

@@ -1,0 +1,96 @@
+"""In-place layout changes of a running job (--parcae-layout-schedule) under torchrun with gloo.
+
+Every run must log the losses of an uninterrupted single-process run on the same samples:
+the executor moved exactly the parameters and Adam moments each new rank needs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from launch import SMALL_GPT, assert_close, layout_flags, losses, torchrun
+from megatron_parcae.arguments import ArgumentError, parse_args
+from megatron_parcae.layout_schedule import LayoutChange, parse_layout_schedule
+
+ITERS = 12
+_CHANGE = re.compile(r"layout change at iteration (\d+): (\S+) migration to tp (\d+) pp (\d+) dp (\d+), .*?"
+                     r"(\d+) process groups")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data) -> dict[int, float]:
+    return losses(torchrun("pretrain_gpt.py", 1, SMALL_GPT + ["--train-iters", str(ITERS)]))
+
+
+def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, iters: int = ITERS):
+    extra = ["--use-distributed-optimizer"] if distributed_optimizer else []
+    run = torchrun("pretrain_gpt.py", nproc, SMALL_GPT + layout_flags(1, pp) + extra + [
+        "--train-iters", str(iters), "--parcae", "--parcae-layout-schedule", schedule], timeout=300)
+    found = losses(run)
+    changes = [(int(i), kind, (int(t), int(p), int(d)), int(groups))
+               for i, kind, t, p, d, groups in _CHANGE.findall(run.stdout)]
+    return found, changes
+
+
+OPTIMIZERS = pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-adam"])
+
+
+@OPTIMIZERS
+def test_tensor_and_pipeline_changes_train_the_same_model(reference, distributed_optimizer):
+    found, changes = _scheduled(4, 2, "3:2,2,1;6:1,1,4;9:2,1,2", distributed_optimizer)
+    assert [(i, layout) for i, _, layout, _ in changes] == [(3, (2, 2, 1)), (6, (1, 1, 4)), (9, (2, 1, 2))]
+    assert all(kind == "tensor" for _, kind, _, _ in changes)
+    assert_close(found, reference)
+
+
+def test_intra_stage_leave_moves_nothing(reference):
+    """A rank of each stage of a D=2 layout leaves; the other replica goes on alone."""
+    found, changes = _scheduled(4, 2, "3:1,2,1:leave=1,3", False, iters=6)
+    assert [(kind, layout) for _, kind, layout, _ in changes] == [("intra-stage", (1, 2, 1))]
+    assert_close(found, {i: v for i, v in reference.items() if i <= 6})
+
+
+@OPTIMIZERS
+def test_grace_period_hand_over_then_growth(reference, distributed_optimizer):
+    """Stage 1 loses both replicas with notice (they send before exiting), two workers join,
+    then T changes: six processes, two of them idle until they join."""
+    found, changes = _scheduled(6, 2, "3:1,2,1:leave=2,3;6:1,2,2:join=2;9:2,2,1", distributed_optimizer)
+    assert [(i, kind, layout) for i, kind, layout, _ in changes] == [
+        (3, "inter-stage", (1, 2, 1)), (6, "inter-stage", (1, 2, 2)), (9, "tensor", (2, 2, 1))]
+    assert_close(found, reference)
+
+
+def test_repeated_changes_leak_no_process_groups(tiny_data):
+    schedule = ";".join(f"{i}:{2 if i % 2 else 1},2,{1 if i % 2 else 2}" for i in range(1, 21))
+    found, changes = _scheduled(4, 2, schedule, False, iters=21)
+    assert len(changes) == 20 and len(found) == 21
+    groups = {g for *_, g in changes}
+    assert len(groups) == 1, [g for *_, g in changes]
+
+
+def test_schedule_parses():
+    assert parse_layout_schedule("3:2,2,1; 6:1,1,4:leave=1,3:join=2") == (
+        LayoutChange(3, 2, 2, 1), LayoutChange(6, 1, 1, 4, (1, 3), 2))
+
+
+@pytest.mark.parametrize("schedule,world,message", [
+    ("3:2,2", 4, "expected ITER:T,P,D"),
+    ("3:2,2,1;3:1,1,4", 4, "iterations must increase"),
+    ("3:1,2,1:leave=7", 4, "worker(s) [7] cannot leave"),
+    ("3:1,2,2:join=4", 4, "none is left"),
+    ("3:1,2,3:join=1", 5, "needs 6 workers, only 5 are available"),
+    ("3:3,1,1", 4, "does not divide"),
+], ids=["syntax", "order", "leave-stranger", "join-all", "too-few", "tp-divides"])
+def test_bad_schedules_fail_before_training(tiny_data, schedule, world, message):
+    argv = ["--config", "configs/gpt-tiny.yaml", "--pipeline-model-parallel-size", "2", "--parcae",
+            "--parcae-layout-schedule", schedule]
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        parse_args(argv, prog="pretrain_gpt.py", model="gpt", world_size=world)
+
+
+def test_schedule_needs_parcae(tiny_data):
+    with pytest.raises(ArgumentError, match="needs --parcae"):
+        parse_args(["--config", "configs/gpt-tiny.yaml", "--parcae-layout-schedule", "3:1,1,1"],
+                   prog="pretrain_gpt.py", model="gpt", world_size=1)
