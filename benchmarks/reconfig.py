@@ -1,0 +1,289 @@
+"""In-place migration vs checkpoint-restart on GPT-tiny, 4 CPU processes (issue 3, acceptance 4).
+
+Each migration kind is timed from the decision (the iteration boundary it happens at) to
+the first completed step after it, and set beside checkpoint-restart of the same job: a
+dist checkpoint saved at that boundary, every process killed, a new torchrun that loads
+it into the new layout and completes one step. All figures come from one run of this
+script; the ratios are restart / migration. Bars: intra-stage at least 10x, pipeline at
+least 3x; planning for 1,024 ranks under 1 s. Exits 1 if a run fails or a bar is missed.
+
+How it is measured:
+- migration: the "elapsed time per iteration" the training script logs for the first
+  iteration after the change. Its window starts right after the previous iteration's log
+  line, so it covers the whole change (plan, groups, state transfer, rebuild) plus that
+  first step. The change's own log line (change alone) and the step before are shown too.
+- checkpoint-restart: save (this script's clock from the iteration line before the save
+  to the "saved checkpoint" line) + kill (SIGKILL to torchrun and its workers until all
+  are gone) + start (launching the new torchrun to its first iteration line, loading
+  included). The checkpoint is saved once by the initial layout (1,2,2); each restart loads
+  it into the layout its migration went to.
+
+    nice python benchmarks/reconfig.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+# Run as a script, this folder comes first on sys.path and this file's name hides the `reconfig` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(REPO))
+
+BASE = ["--config", "configs/gpt-tiny.yaml", "--log-interval", "1"]
+INITIAL = (1, 2, 2)  # T, P, D of every job this script starts (4 processes)
+DECISION = 3  # iterations done before the first change and before the save
+RUN_LIMIT_S = 300.0
+BARS = {"intra-stage": 10.0, "pipeline": 3.0}
+PLAN_LIMIT_S = 1.0
+
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
+_CHANGE = re.compile(r"layout change at iteration (\d+): (\S+) migration to tp (\d+) pp (\d+) dp (\d+), "
+                     r"(\d+) bytes planned, ([0-9.]+) ms")
+_SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
+
+
+@dataclass(frozen=True)
+class MigrationRun:
+    """One job with a layout schedule; `names` label its changes in order."""
+
+    schedule: str
+    train_iters: int
+    names: tuple[str, ...]
+
+
+MIGRATION_RUNS = (
+    MigrationRun(f"{DECISION}:1,2,1:leave=1,3", DECISION + 2, ("intra-stage: a replica of each stage leaves",)),
+    MigrationRun(f"{DECISION}:1,2,1:leave=2,3", DECISION + 2, ("grace period: stage 1 loses both replicas",)),
+    MigrationRun(f"{DECISION}:1,4,1;{DECISION + 2}:1,2,2;{DECISION + 4}:2,2,1", DECISION + 5,
+                 ("pipeline: P 2 -> 4", "pipeline: P 4 -> 2", "tensor: T 1 -> 2 (P 2, D 2 -> 1)")),
+)
+
+
+@dataclass
+class Job:
+    """A torchrun job's output lines, each with the time this script read it."""
+
+    lines: list[tuple[float, str]]
+    returncode: int | None
+
+    def first(self, pattern: re.Pattern[str]) -> tuple[float, re.Match[str]] | None:
+        return next(((t, m) for t, line in self.lines if (m := pattern.search(line))), None)
+
+    def all(self, pattern: re.Pattern[str]) -> list[re.Match[str]]:
+        return [m for _, line in self.lines if (m := pattern.search(line))]
+
+    def tail(self, chars: int = 3000) -> str:
+        return "".join(line for _, line in self.lines)[-chars:]
+
+
+@dataclass(frozen=True)
+class Migration:
+    name: str
+    kind: str
+    layout: tuple[int, int, int]
+    planned_bytes: int
+    change_ms: float
+    step_before_ms: float
+    total_ms: float  # decision to first completed step after it
+
+
+class RunFailed(RuntimeError):
+    """A job exited badly or did not log what it should; carries its output."""
+
+
+def launch(nproc: int, args: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(REPO / "scripts" / "pretrain_gpt.py"), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (torchrun starts each worker in a session of its own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers, as a preemption would, and wait until all are gone."""
+    if proc.poll() is not None:
+        return  # ended (and reaped): its pid may belong to another process by now
+    workers = children(proc.pid)
+    for pid in [proc.pid, *workers]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    while any(_alive(pid) for pid in workers):
+        time.sleep(0.005)
+
+
+def follow(proc: subprocess.Popen, stop: re.Pattern[str] | None = None) -> Job:
+    """Read the job's output until it ends, or until a line matches `stop` (the job is then left running)."""
+    watchdog = threading.Timer(RUN_LIMIT_S, kill_job, [proc])
+    watchdog.start()
+    lines: list[tuple[float, str]] = []
+    try:
+        for line in proc.stdout:
+            lines.append((time.perf_counter(), line))
+            if stop is not None and stop.search(line):
+                return Job(lines, None)
+        return Job(lines, proc.wait())
+    finally:
+        watchdog.cancel()
+
+
+def run_migrations(run: MigrationRun) -> list[Migration]:
+    tp, pp, _ = INITIAL
+    proc = launch(4, BASE + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                             "--train-iters", str(run.train_iters), "--parcae", "--parcae-layout-schedule",
+                             run.schedule])
+    job = follow(proc)
+    step_ms = {int(m.group(1)): float(m.group(2)) for m in job.all(_ITERATION)}
+    changes = job.all(_CHANGE)
+    if job.returncode != 0 or len(changes) != len(run.names):
+        raise RunFailed(f"schedule {run.schedule!r}: exit {job.returncode}, {len(changes)} of {len(run.names)} "
+                        f"changes logged:\n{job.tail()}")
+    out = []
+    for name, m in zip(run.names, changes):
+        at = int(m.group(1))
+        if at not in step_ms or at + 1 not in step_ms:
+            raise RunFailed(f"schedule {run.schedule!r}: iterations {at}, {at + 1} not both logged:\n{job.tail()}")
+        out.append(Migration(name, m.group(2), (int(m.group(3)), int(m.group(4)), int(m.group(5))),
+                             int(m.group(6)), float(m.group(7)), step_ms[at], step_ms[at + 1]))
+    return out
+
+
+def save_and_kill(directory: str) -> tuple[float, float]:
+    """The initial job saves after DECISION iterations and is killed at once: (save s, kill s)."""
+    tp, pp, _ = INITIAL
+    proc = launch(4, BASE + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                             "--train-iters", str(DECISION + 100), "--save", directory,
+                             "--save-interval", str(DECISION)])
+    try:
+        job = follow(proc, stop=_SAVED)
+        killed = time.perf_counter()
+    finally:
+        kill_job(proc)
+    kill_s = time.perf_counter() - killed
+    saved = job.first(_SAVED)
+    before = next((t for t, line in job.lines if (m := _ITERATION.search(line)) and int(m.group(1)) == DECISION),
+                  None)
+    if saved is None or before is None:
+        raise RunFailed(f"checkpoint job: no save logged after iteration {DECISION}:\n{job.tail()}")
+    return saved[0] - before, kill_s
+
+
+def restart(directory: str, layout: tuple[int, int, int]) -> float:
+    """Seconds from launching torchrun on the checkpoint to its first iteration line (then it is killed)."""
+    tp, pp, dp = layout
+    started = time.perf_counter()
+    proc = launch(tp * pp * dp, BASE + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+                                        str(pp), "--train-iters", str(DECISION + 100), "--load", directory])
+    try:
+        job = follow(proc, stop=_ITERATION)
+    finally:
+        kill_job(proc)
+    first = job.first(_ITERATION)
+    if first is None or int(first[1].group(1)) != DECISION + 1:
+        raise RunFailed(f"restart into {layout}: exit {job.returncode}, no iteration {DECISION + 1}:\n{job.tail()}")
+    return first[0] - started
+
+
+def plan_times() -> list[tuple[str, str, int, float]]:
+    """benchmarks/plan_time.py's 1,024-rank GPT-1.5B scenarios, each planned once: (name, kind, ranks, s)."""
+    spec = importlib.util.spec_from_file_location("plan_time", HERE / "plan_time.py")
+    plan_time = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_time)
+    out = []
+    for name, request, target in plan_time.scenarios():
+        started = time.perf_counter()
+        plan = plan_time.plan_migration(request, target, plan_time.GPT_1_5B)
+        out.append((name, plan.kind, request.old.parallelism.world_size, time.perf_counter() - started))
+    return out
+
+
+def main() -> int:
+    ok = True
+    migrations: list[Migration] = []
+    for run in MIGRATION_RUNS:
+        try:
+            migrations += run_migrations(run)
+        except RunFailed as exc:
+            ok = False
+            print(f"MIGRATION FAILED: {exc}", flush=True)
+    restart_s: dict[tuple[int, int, int], float] = {}
+    with tempfile.TemporaryDirectory(prefix="parcae-bench-ckpt-") as directory:
+        try:
+            save_s, kill_s = save_and_kill(directory)
+            for layout in dict.fromkeys(m.layout for m in migrations):
+                restart_s[layout] = restart(directory, layout)
+        except RunFailed as exc:
+            ok = False
+            print(f"CHECKPOINT-RESTART FAILED: {exc}", flush=True)
+
+    print(f"\nGPT-tiny, 4 CPU processes from T,P,D = {INITIAL}; change / save after iteration {DECISION} "
+          f"(later changes of the same job two iterations apart)")
+    print(f"{'migration':45} {'kind':12} {'to T,P,D':9} {'MB planned':>10} {'change ms':>9} {'step ms':>8} "
+          f"{'migr. s':>8} {'restart s':>9} {'ratio':>7}")
+    ratios: dict[str, float] = {}
+    for m in migrations:
+        restart_total = save_s + kill_s + restart_s[m.layout] if m.layout in restart_s else None
+        ratio = restart_total / (m.total_ms / 1000.0) if restart_total is not None else None
+        if ratio is not None:
+            ratios.setdefault(m.kind, ratio)  # the first change of a kind is the one its bar is judged on
+        print(f"{m.name:45} {m.kind:12} {','.join(map(str, m.layout)):9} {m.planned_bytes / 1e6:10.3f} "
+              f"{m.change_ms:9.1f} {m.step_before_ms:8.1f} {m.total_ms / 1000.0:8.3f} "
+              f"{restart_total if restart_total is not None else float('nan'):9.2f} "
+              f"{ratio if ratio is not None else float('nan'):6.1f}x")
+    if restart_s:
+        print(f"checkpoint-restart = save {save_s:.2f} s + kill {kill_s:.2f} s + start to first step "
+              + ", ".join(f"{','.join(map(str, k))}: {v:.2f} s" for k, v in restart_s.items()))
+    print("change ms: the change's own log line; step ms: the step before it; migr. s: decision to first "
+          "completed step (the first step's logged elapsed time)")
+    for kind, bar in BARS.items():
+        met = kind in ratios and ratios[kind] >= bar
+        ok &= met
+        shown = f"{ratios[kind]:.1f}x" if kind in ratios else "not measured"
+        print(f"{kind} at least {bar:.0f}x faster than checkpoint-restart: {'yes' if met else 'NO'} ({shown})")
+
+    times = plan_times()
+    slowest = max(times, key=lambda t: t[3])
+    ok &= slowest[3] < PLAN_LIMIT_S
+    print(f"\nplanning, GPT-1.5B shape, {len(times)} scenarios of up to {max(t[2] for t in times)} ranks "
+          f"(benchmarks/plan_time.py): slowest {slowest[3]:.3f} s ({slowest[0]}); under {PLAN_LIMIT_S:.0f} s: "
+          f"{'yes' if slowest[3] < PLAN_LIMIT_S else 'NO'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
