@@ -9,7 +9,7 @@ optimizer (empty plan cache) and times every `LiveputOptimizer.decide` call:
   (Parcae's per-layer measurements on a V100, global batch 1,024) through the analytic
   1F1B model, which offers tensor, pipeline and data parallelism; look-ahead 12.
 
-    python benchmarks/decision_time.py
+    python -m benchmarks.decision_time
 """
 
 from __future__ import annotations

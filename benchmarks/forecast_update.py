@@ -5,7 +5,7 @@ must stay under 200 ms. A real trace is tiled to the wanted length, fed to the
 forecaster, and then the next updates are timed one by one; the Prophet member refits
 every 3 hours (180 updates), so the slowest update is one that refits.
 
-    python benchmarks/forecast_update.py [--trace PATH] [--days 7] [--interval 60]
+    python -m benchmarks.forecast_update [--trace PATH] [--days 7] [--interval 60]
 """
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from predictor.forecast import FORECASTERS, make_forecaster  # noqa: E402
+from predictor.forecast import FORECASTERS, make_forecaster
 from predictor.traces import AvailabilityTrace  # noqa: E402
 
 BUDGET_SECONDS = 0.2

@@ -4,7 +4,7 @@ GPT-1.5B-like shape (48 layers, hidden 1600, 32 heads so T can be 1..8). Each sc
 is planned `--repeats` times in this process; the first (cold) and median wall times are
 printed with the plan's size. Exits 1 if any single plan took 1 s or more.
 
-    python benchmarks/plan_time.py [--repeats 3]
+    python -m benchmarks.plan_time [--repeats 3]
 """
 
 from __future__ import annotations

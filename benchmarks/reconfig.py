@@ -18,12 +18,11 @@ How it is measured:
   included). The checkpoint is saved once by the initial layout (1,2,2); each restart loads
   it into the layout its migration went to.
 
-    nice python benchmarks/reconfig.py
+    nice python -m benchmarks.reconfig
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -35,11 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-# Run as a script, this folder comes first on sys.path and this file's name hides the `reconfig` package.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[1]
 
 BASE = ["--config", "configs/gpt-tiny.yaml", "--log-interval", "1"]
 INITIAL = (1, 2, 2)  # T, P, D of every job this script starts (4 processes)
@@ -221,9 +216,8 @@ def restart(directory: str, layout: tuple[int, int, int]) -> float:
 
 def plan_times() -> list[tuple[str, str, int, float]]:
     """benchmarks/plan_time.py's 1,024-rank GPT-1.5B scenarios, each planned once: (name, kind, ranks, s)."""
-    spec = importlib.util.spec_from_file_location("plan_time", HERE / "plan_time.py")
-    plan_time = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_time)
+    from benchmarks import plan_time
+
     out = []
     for name, request, target in plan_time.scenarios():
         started = time.perf_counter()

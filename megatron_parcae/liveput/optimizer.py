@@ -8,8 +8,13 @@ returns the layout to run in the coming interval with the plan that gets there.
 It solves a dynamic program over the next `horizon` intervals (this one included):
 states are layouts, a transition is a layout change at an interval start, and the value
 of running layout s in step h after s' is
-    throughput(s) x (interval - expected seconds of changing s' -> s at step h),
-the expectation over the step's preemption scenarios (see scenarios.py). Step 0 knows
+    throughput(s) x max(0, interval - carried - expected seconds of changing s' -> s at step h),
+the expectation over the step's preemption scenarios (see scenarios.py). As in the
+simulator (and `busy_seconds` for the live caller), a change longer than what is left of
+its interval stalls the next interval(s): `carried` is that overrun, part of the state,
+and the overrun left after the last step stalls the last layout (overruns are
+counted on a grid of hundredths of an interval: a long one would otherwise make every
+path a state of its own). Step 0 knows
 what happened (the actual lost and leaving workers, priced by the planner); later steps
 know the forecast. Only the first step is applied; the program is solved again at the
 next boundary. Transitions are priced lazily: a plan-free lower bound on a change's cost
@@ -19,6 +24,7 @@ result is the exact optimum of the program with far fewer plans.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +39,17 @@ from reconfig.plan import LostStateError, MigrationPlan, MigrationRequest, plan_
 
 if TYPE_CHECKING:
     from predictor.forecast import AvailabilityForecast
+
+OVERRUN_GRID = 0.01  # overruns are counted in hundredths of an interval: few distinct states
+
+
+def overrun(late: float, interval: float) -> float:
+    """Seconds of a step's changes that run into the next step, when they end `late`
+    seconds after the step began; rounded up to the grid, so a plan is never overvalued."""
+    if late <= interval:
+        return 0.0
+    grid = OVERRUN_GRID * interval
+    return math.ceil((late - interval) / grid - 1e-9) * grid
 
 
 @dataclass(frozen=True)
@@ -173,66 +190,97 @@ class LiveputOptimizer:
                busy: float, instances: int, steps: list[StepOutlook]) -> tuple[list[int], float]:
         """Best layout sequence and its expected samples; [] when nothing fits.
 
-        Backward over the horizon: `future[p]` is the best value of the steps after the
-        current one when the current one runs p. Step 0's costs need real plans, so they
-        are priced lazily: candidates are taken best bound first until the best exact
-        value beats every remaining bound.
+        A state is (step, layout run in it, seconds of changes overrunning into the next
+        step), valued best-first and remembered: `after(k, q, carry)` is the best value of
+        the steps after step k. Overruns are rare, so nearly every state has carry 0, and
+        the values at carry 0 bound the others: each second carried stalls a later step,
+        so costs at least the slowest rate that can run there (0 if the job may idle). Step
+        0's costs need real plans, so they are priced lazily: candidates are taken best
+        bound first until the best exact value beats every remaining bound.
         """
         rate, interval, world = self._rate, self.interval, self._layouts
         layouts = [first]
         for step in steps:
             carried = {p for p in layouts[-1] if world[p].world_size <= step.instances}
             layouts.append(carried | set(self._top_indices(step.instances)))
-        future: dict[int, float] = dict.fromkeys(layouts[-1], 0.0)
-        successor: list[dict[int, int]] = []
-        for h in reversed(range(len(steps))):
-            step, before = steps[h], (instances if h == 0 else steps[h - 1].instances)
-            bound = {p: rate[p] * (interval - self._floor(-1, p)) + future[p] for p in layouts[h + 1]}
-            ranked = sorted(bound, key=lambda p: (-bound[p], p))
-            values: dict[int, float] = {}
-            chosen: dict[int, int] = {}
-            for q in layouts[h]:
-                best, best_next = -np.inf, None
-                if q in future:  # staying is usually the best: price it first
-                    best = rate[q] * (interval - self._expected(q, q, before, step)) + future[q]
-                    best_next = q
-                for p in ranked:
-                    if bound[p] <= best:
-                        break  # no later successor can do better, whatever its plan
-                    if p == q or rate[p] * (interval - self._floor(q, p)) + future[p] <= best:
-                        continue
-                    v = rate[p] * (interval - self._expected(q, p, before, step)) + future[p]
-                    if v > best:
-                        best, best_next = v, p
-                if best_next is None:  # nothing fits the next step: the job idles from there
-                    values[q] = 0.0
-                else:
-                    values[q], chosen[q] = best, best_next
-            successor.append(chosen)
-            future = values
-        successor.reverse()
+        slowest = [0.0 if any(not later for later in layouts[j:]) else min(rate[p] for later in layouts[j:]
+                                                                           for p in later)
+                   for j in range(len(layouts))]
+        memo: dict[tuple[int, int, float], tuple[float, int | None, float]] = {}
+        ranked: dict[tuple[int, float], list[tuple[float, int]]] = {}
 
-        def total(p: int) -> tuple[float, bool]:
-            seconds, is_exact = start_cost(p)
-            return rate[p] * (interval - busy - seconds) + future[p], is_exact
+        def run(p: int, carry: float, seconds: float) -> tuple[float, float]:
+            """(samples p trains in a step that starts `carry` seconds late and changes
+            for `seconds`, seconds left over for the next step)."""
+            late = carry + seconds
+            return rate[p] * max(0.0, interval - late), overrun(late, interval)
 
-        best_value, best_start = -np.inf, None
-        for p in sorted(layouts[0], key=lambda p: (-total(p)[0], p)):
-            value, is_exact = total(p)
-            if value <= best_value:
+        def above(k: int, p: int, carry: float, seconds: float) -> float:
+            """A bound above the value of changing to p at step k (k -1: starting in p) for
+            at least `seconds`, from the value without overrun."""
+            samples, left = run(p, carry, seconds)
+            return samples + after(k + 1, p, 0.0) - left * slowest[k + 1]
+
+        def value(k: int, p: int, carry: float, seconds: float, best: float) -> tuple[float, float]:
+            """(value, overrun) of changing to p at step k for `seconds`; -inf when the
+            overrun's bound cannot beat `best` (its states are then never visited)."""
+            samples, left = run(p, carry, seconds)
+            if left and samples + after(k + 1, p, 0.0) - left * slowest[k + 1] <= best:
+                return -np.inf, left
+            return samples + after(k + 1, p, left), left
+
+        def after(k: int, q: int, carry: float) -> float:
+            key = (k, q, carry)
+            found = memo.get(key)
+            if found is not None:
+                return found[0]
+            if k == len(steps):  # past the horizon, q keeps running until the change is done
+                memo[key] = (-rate[q] * carry, None, 0.0)
+                return -rate[q] * carry
+            step, before = steps[k], (instances if k == 0 else steps[k - 1].instances)
+            order = ranked.get((k, carry))
+            if order is None:  # successors by a bound above their value from any layout
+                order = ranked[k, carry] = sorted(((above(k, p, carry, self._floor(-1, p)), p) for p in layouts[k + 1]),
+                                                  key=lambda t: (-t[0], t[1]))
+            best, best_next, best_carry = -np.inf, None, 0.0
+            if q in layouts[k + 1]:  # staying is usually the best: price it first
+                best, best_carry = value(k, q, carry, self._expected(q, q, before, step), -np.inf)
+                best_next = q
+            for bound, p in order:
+                if bound <= best:
+                    break  # no later successor can do better, whatever its plan
+                if p == q or above(k, p, carry, self._floor(q, p)) <= best:
+                    continue
+                v, left = value(k, p, carry, self._expected(q, p, before, step), best)
+                if v > best:
+                    best, best_next, best_carry = v, p, left
+            if best_next is None:  # nothing fits the next step: the job idles from there
+                best = 0.0
+            memo[key] = (best, best_next, best_carry)
+            return best
+
+        def start_bound(p: int) -> float:
+            return above(-1, p, busy, start_cost(p)[0])
+
+        best_value, best_start, best_carry = -np.inf, None, 0.0
+        for p in sorted(layouts[0], key=lambda p: (-start_bound(p), p)):
+            if start_bound(p) <= best_value:
                 break
+            seconds, is_exact = start_cost(p)
             if not is_exact:
                 exact.add(p)
-                value = total(p)[0]
-            if value > best_value:
-                best_value, best_start = value, p
+                seconds, _ = start_cost(p)
+            v, left = value(-1, p, busy, seconds, best_value)
+            if v > best_value:
+                best_value, best_start, best_carry = v, p, left
         if best_start is None:
             return [], 0.0
-        path = [best_start]
-        for chosen in successor:
-            if path[-1] not in chosen:
+        path, carry = [best_start], best_carry
+        for k in range(len(steps)):
+            _, following, carry = memo[k, path[-1], carry]
+            if following is None:
                 break
-            path.append(chosen[path[-1]])
+            path.append(following)
         return path, best_value
 
     def _realise(self, current: Layout | None, available: frozenset[int], leaving: frozenset[int],
