@@ -19,6 +19,9 @@ optimizer, clip_grads, language_module)
 the CUDA RNG tracker                       replaced by ``CpuRNGStatesTracker``, which forks
 (tensor_parallel/random, used by attention  the CPU generator the same way
 dropout)
+denormal floats in CPU matmuls            flushed to zero (``torch.set_flush_denormal``):
+                                           they slow CPU kernels many times over, and every
+                                           layout flushes alike, so results still agree
 fused kernels, gradient accumulation       switched off in the model config
 fusion, ``use_cpu_initialization``         (``megatron_parcae.models``), not here
 =========================================  =============================================
