@@ -151,11 +151,14 @@ class ParcaeAgent:
             return plan if plan is not None and plan.generation > self._current else None
 
     def acknowledge(self, generation: int) -> None:
-        """Record that the plan of `generation` was applied; published to etcd in the background."""
+        """Record that the plan of `generation` was applied; published to etcd in the background.
+
+        The generation may be newer than any this agent's watch has delivered: the
+        training loop learns of plans from its peers too.
+        """
         with self._lock:
-            newest = self._pending.generation if self._pending is not None else self._current
-            if not self._current < generation <= newest:
-                raise AgentError(f"cannot acknowledge generation {generation}: this process runs {self._current}, newest plan is {newest}")
+            if generation <= self._current:
+                raise AgentError(f"cannot acknowledge generation {generation}: this process already runs {self._current}")
             self._current = generation
             self._member = dataclasses.replace(self._member, generation=generation)
             self._member_dirty = True

@@ -14,6 +14,8 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
 
+from megatron_parcae.etcd.options import add_etcd_arguments, check_etcd_arguments
+
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 
 
@@ -61,6 +63,14 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-layout-schedule", default=None, metavar="ITER:T,P,D[:leave=W1,W2][:join=K];...",
                    help="change the layout at these iterations, no coordinator; workers are torchrun ranks, "
                         "joining workers the last K ranks (started with the job, idle until they join)")
+    g.add_argument("--parcae-worker-id", type=int, default=None, metavar="ID",
+                   help="with --parcae-etcd: this process's id in the job, unique over the job's whole life "
+                        "(default: $RANK)")
+    g.add_argument("--parcae-grace-seconds", type=float, default=30.0, metavar="SECONDS",
+                   help="with --parcae-etcd: time between SIGTERM (preemption notice) and SIGKILL (default 30)")
+    g.add_argument("--parcae-lease-seconds", type=float, default=10.0, metavar="SECONDS",
+                   help="with --parcae-etcd: a process silent this long counts as lost (default 10)")
+    add_etcd_arguments(p, prefix="parcae-", required=False)
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -214,6 +224,9 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     args.stage_layers = stage_layers(args.num_layers, P, args.decoder_first_pipeline_num_layers,
                                      args.decoder_last_pipeline_num_layers)
+    if args.parcae_etcd is not None:
+        _check_live_job(args)
+        world_size = T * P  # the coordinator's plans choose the layout; T and P here are only checked
     total_workers = world_size
     if args.parcae_layout_schedule is not None:
         world_size -= _parse_layout_schedule(args)
@@ -241,6 +254,23 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _validate_data(args)
     if args.parcae_layout_schedule is not None:
         _check_layout_schedule(args, total_workers)
+
+
+def _check_live_job(args: argparse.Namespace) -> None:
+    """The flags of a worker in a job that `parcae coordinator` drives."""
+    _check(args.parcae, "--parcae-etcd needs --parcae")
+    _check(args.parcae_layout_schedule is None, "--parcae-etcd and --parcae-layout-schedule exclude each other")
+    _check(args.parcae_job is not None, "--parcae-etcd needs --parcae-job")
+    if args.parcae_worker_id is None and "RANK" in os.environ:
+        args.parcae_worker_id = int(os.environ["RANK"])
+    _check(args.parcae_worker_id is not None, "--parcae-etcd needs --parcae-worker-id (or $RANK)")
+    _check(0 <= args.parcae_worker_id < 2**31, f"--parcae-worker-id must be from 0 to 2^31-1, got {args.parcae_worker_id}")
+    _check(args.parcae_grace_seconds >= 0, f"--parcae-grace-seconds must be >= 0, got {args.parcae_grace_seconds}")
+    _check(args.parcae_lease_seconds > 0, f"--parcae-lease-seconds must be positive, got {args.parcae_lease_seconds}")
+    try:
+        check_etcd_arguments(args, prefix="parcae-")
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
 
 
 def _parse_layout_schedule(args: argparse.Namespace) -> int:

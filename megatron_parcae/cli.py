@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("megatron_parcae.sizing", "size a spot cluster for a deadline or a budget"),
     "profile": ("megatron_parcae.profile", "measure per-layer costs of a model for the throughput model"),
     "coordinator": ("megatron_parcae.coordinator", "decide layouts live and publish plans in etcd (one leader per job)"),
+    "replay": ("megatron_parcae.emulator", "replay a spot trace with real processes: --parcae against checkpoint-restart"),
     "status": ("megatron_parcae.status", "show a job's generation, layout, members, forecast and last migrations"),
 }
 

@@ -22,6 +22,7 @@ Rules it keeps:
   dropped as lost that still hold a member key (a notice whose deadline passed) are
   fenced: their lease is revoked, so their agents report `fenced` and they exit.
 - Workers a layout does not use are standby (a plan's `standby`); they join later.
+- When training ends (the `done` record a worker writes), the coordinator exits.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ from megatron_parcae.etcd import (
     NotLeader,
     PlanEnvelope,
     SchemaError,
-    TLSFiles,
 )
 from megatron_parcae.etcd.client import Put
+from megatron_parcae.etcd.options import add_etcd_arguments, connect
 from megatron_parcae.etcd.keys import (
     MAX_GENERATION,
     MAX_TIMESTAMP,
@@ -77,7 +78,6 @@ STATE_KEY = "coordinator"  # under the job prefix
 HISTORY_KEPT = 10_080  # intervals of availability history kept (a week of minutes)
 DECISIONS_KEPT = 16  # published decisions kept for `parcae status`, as many as the plans kept
 DECISION_KINDS = ("start", "restart", *MIGRATION_KINDS)  # "restart": resumed from a checkpoint
-PASSWORD_ENV = "PARCAE_ETCD_PASSWORD"
 
 
 class ConfigError(ValueError):
@@ -100,6 +100,7 @@ class CoordinatorConfig:
     lease_seconds: float = 10.0  # leader lease: how long a dead coordinator blocks its successor
     max_workers: int = 64  # largest job the layer-profile model enumerates layouts for
     min_workers: int = 1  # the first plan waits for this many workers
+    distributed_optimizer: bool = False  # the workers train with --use-distributed-optimizer
 
     @classmethod
     def load(cls, path: str | Path) -> CoordinatorConfig:
@@ -132,6 +133,10 @@ class CoordinatorConfig:
                 if not isinstance(value, str) or not value:
                     raise ConfigError(f"{where}: model: expected a model name, got {value!r}")
                 values[name] = value
+            elif name == "distributed_optimizer":
+                if not isinstance(value, bool):
+                    raise ConfigError(f"{where}: {key}: expected true or false, got {value!r}")
+                values[name] = value
             elif name in ("lookahead", "max_workers", "min_workers"):
                 if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
                     raise ConfigError(f"{where}: {key}: expected an integer from 1 to 1000000, got {value!r}")
@@ -153,7 +158,8 @@ class CoordinatorConfig:
             grace_period_seconds=constants.grace_period_seconds if self.grace_seconds is None else self.grace_seconds,
         )
         throughput = load_profile(self.profile, constants.models, self.model, self.max_workers)
-        return LiveputOptimizer(throughput, MigrationCostModel(constants, throughput.model_shape), self.lookahead)
+        return LiveputOptimizer(throughput, MigrationCostModel(constants, throughput.model_shape), self.lookahead,
+                                distributed_optimizer=self.distributed_optimizer)
 
 
 def _existing_file(where: str, key: str, value: Any, base: Path) -> Path:
@@ -322,7 +328,7 @@ class Coordinator:
         """Campaign for leadership, lead while it lasts, campaign again if it is lost."""
         keys = self._store.keys
         watches = [self._client.watch(prefix, lambda events: self._wake.set(), prefix=True)
-                   for prefix in (keys.members, keys.notices)]
+                   for prefix in (keys.members, keys.notices, keys.done)]
         try:
             with self._leadership:
                 while not self._stopping.is_set():
@@ -458,6 +464,12 @@ class Coordinator:
 
     def _reconcile(self) -> None:
         """Read the job's state once and publish the next generation if it must change."""
+        done = self._store.done()
+        if done is not None:
+            log.info("training ended at iteration %d (%d samples); the coordinator exits",
+                     done.iteration, done.consumed_samples)
+            self.stop()
+            return
         now = time.time()
         generation = self._store.current_generation()
         envelope = self._store.plan(generation) if generation else None
@@ -538,53 +550,11 @@ def _ids(workers: frozenset[int], shown: int = 8) -> str:
 # -- command line --------------------------------------------------------------------
 
 
-def add_etcd_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where etcd is and how to authenticate to it (shared with `parcae status`)."""
-    g = parser.add_argument_group("etcd")
-    g.add_argument("--etcd", required=True, metavar="HOST:PORT", help="etcd endpoint")
-    g.add_argument("--job", required=True, help="job name: its state lives under /parcae/JOB/")
-    g.add_argument("--etcd-ca", default=None, metavar="PEM", help="CA certificate: connect with TLS")
-    g.add_argument("--etcd-cert", default=None, metavar="PEM", help="client certificate (TLS, with --etcd-key)")
-    g.add_argument("--etcd-key", default=None, metavar="PEM", help="client key (TLS, with --etcd-cert)")
-    g.add_argument("--etcd-user", default=None, help=f"etcd user; the password is read from --etcd-password-file "
-                                                     f"or the {PASSWORD_ENV} environment variable")
-    g.add_argument("--etcd-password-file", default=None, metavar="FILE", help="file holding the etcd password")
-    g.add_argument("--etcd-timeout", type=float, default=5.0, metavar="SECONDS",
-                   help="how long to wait for etcd to answer (default 5)")
-
-
-def connect(args: argparse.Namespace) -> EtcdClient:
-    """An etcd client from the options of `add_etcd_arguments`.
-
-    Raises ValueError for bad options (a user error) and EtcdError when etcd cannot be
-    reached or refuses the credentials.
-    """
-    if (args.etcd_cert or args.etcd_key) and not args.etcd_ca:
-        raise ValueError("--etcd-cert and --etcd-key need --etcd-ca")
-    tls = TLSFiles(args.etcd_ca, args.etcd_cert, args.etcd_key) if args.etcd_ca else None
-    password = None
-    if args.etcd_password_file:
-        try:
-            password = Path(args.etcd_password_file).read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--etcd-password-file: cannot read {args.etcd_password_file}: "
-                             f"{getattr(exc, 'strerror', None) or exc}") from None
-    elif args.etcd_user:
-        password = os.environ.get(PASSWORD_ENV)
-    if (args.etcd_user is None) != (password is None):
-        raise ValueError(f"etcd authentication needs --etcd-user and a password "
-                         f"(--etcd-password-file or {PASSWORD_ENV})")
-    if not (math.isfinite(args.etcd_timeout) and args.etcd_timeout > 0):
-        raise ValueError(f"--etcd-timeout must be a positive number of seconds, got {args.etcd_timeout}")
-    JobKeys(args.job)  # refuse a bad job name before connecting
-    return EtcdClient(args.etcd, tls=tls, user=args.etcd_user, password=password, timeout=args.etcd_timeout)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_etcd_arguments(parser)
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
-                             "lease-seconds, max-workers, min-workers (see CoordinatorConfig)")
+                             "lease-seconds, max-workers, min-workers, distributed-optimizer (see CoordinatorConfig)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,35 +1,53 @@
-"""The spot emulator: replay a real availability trace on one machine with real processes.
+"""`parcae replay`: the spot emulator. Replays a real availability trace on one machine
+with real processes, real etcd and the real coordinator.
 
-A trace segment (predictor.AvailabilityTrace, cut and scaled to this machine) becomes a
-list of `ReplayStep`s in wall-clock time (`--speedup` trace seconds per second). Each
-step tells the job under test how many instances it has from then on; instances that
-go away are preempted as a cloud does it: SIGTERM, then SIGKILL after the grace period.
+A trace segment (predictor.AvailabilityTrace, cut and scaled to this machine) becomes
+a list of `ReplayStep`s in wall-clock time (`--speedup` trace seconds per second). Each
+step tells the job under test how many instances it has from then on; an instance is
+one training process. Instances that go away are preempted as a cloud does it: SIGTERM,
+then SIGKILL after the grace period.
 
 Jobs under test implement `resize(count)` and `stop()`:
+- `ParcaeJob` starts etcd and `parcae coordinator`, and a `--parcae` worker per arriving
+  instance (a fresh worker id each: a new instance is a new process);
 - `CheckpointRestartJob` is the reactive baseline (what users run today): a torchrun job
-  with periodic dist checkpoints that is killed and restarted from its last checkpoint on
-  every change of the instance count.
-A `JobLog` follows what rank 0 logs (iterations, consumed samples, loss, checkpoints),
-which is all a summary needs.
+  with periodic checkpoints, killed and restarted from its last checkpoint on every
+  change of the instance count.
+A `JobLog` follows what the workers print (iterations, consumed samples, losses,
+checkpoints, layout changes): that is all a `ReplaySummary` needs.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, Protocol
 
 from megatron_parcae.arguments import ArgumentError, parse_args
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+) \|")
 _SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
 _LOADED = re.compile(r"loaded checkpoint .* at iteration (\d+)")
+_CHANGE = re.compile(r"layout change at iteration (\d+): (\w+)(?: migration)? to tp (\d+) pp (\d+) dp (\d+)"
+                     r"(?:.*?(\d+) steps lost)?[^|]*?, ([0-9.]+) ms")
+BASELINES = ("checkpoint-restart",)
+# Workers and the coordinator renew leases from background threads; on a machine running
+# more processes than it has cores those threads can stall for seconds.
+LEASE_SECONDS = 5.0
+
+
+class ReplayError(RuntimeError):
+    """The replay cannot go on (a worker failed on its own); the message says which and why."""
 
 
 @dataclass(frozen=True)
@@ -51,24 +69,99 @@ def replay_steps(trace, speedup: float) -> list[ReplayStep]:
 
 @dataclass
 class JobLog:
-    """What rank 0 of a pretraining script has logged so far."""
+    """What the job's processes have printed so far (fed from several reader threads)."""
 
+    started: float = field(default_factory=time.monotonic)
     iteration: int = 0
     consumed_samples: int = 0
     loss: float | None = None
     saved_iteration: int = 0
     lost_steps: int = 0
     losses: dict[int, float] = field(default_factory=dict)
+    progress: list[tuple[float, int]] = field(default_factory=list)  # (seconds, consumed samples)
+    changes: list[dict] = field(default_factory=list)  # layout changes the workers reported
+    events: list[dict] = field(default_factory=list)  # what the emulator did: preempt, arrive
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def seconds(self) -> float:
+        return round(time.monotonic() - self.started, 3)
 
     def feed(self, line: str) -> None:
-        if m := _ITERATION.search(line):
-            self.iteration, self.consumed_samples = int(m.group(1)), int(m.group(2))
-            self.loss = float(m.group(3))
-            self.losses[self.iteration] = self.loss
-        elif m := _SAVED.search(line):
-            self.saved_iteration = int(m.group(1))
-        elif m := _LOADED.search(line):
-            self.iteration = int(m.group(1))
+        with self._lock:
+            if m := _ITERATION.search(line):
+                self.iteration, self.consumed_samples = int(m.group(1)), int(m.group(2))
+                self.loss = float(m.group(3))
+                self.losses[self.iteration] = self.loss
+                self.progress.append((self.seconds(), self.consumed_samples))
+            elif m := _CHANGE.search(line):
+                lost = int(m.group(6) or 0)
+                self.lost_steps += lost
+                self.changes.append({"at_seconds": self.seconds(), "iteration": int(m.group(1)), "kind": m.group(2),
+                                     "layout": [int(m.group(i)) for i in (3, 4, 5)], "seconds": float(m.group(7)) / 1e3,
+                                     "lost_steps": lost})
+            elif m := _SAVED.search(line):
+                self.saved_iteration = int(m.group(1))
+            elif m := _LOADED.search(line):
+                self.iteration = int(m.group(1))
+
+    def event(self, what: str, count: int) -> None:
+        with self._lock:
+            self.events.append({"at_seconds": self.seconds(), "event": what, "instances": count})
+
+    def rollback_to_checkpoint(self) -> None:
+        """The job was killed: what it trained since its last checkpoint is lost."""
+        with self._lock:
+            self.lost_steps += self.iteration - self.saved_iteration
+            self.iteration = self.saved_iteration
+
+
+class _Process:
+    """One child process whose output goes to a log file and a JobLog."""
+
+    def __init__(self, cmd: list[str], log: JobLog, log_file: Path, env: dict[str, str]) -> None:
+        self.log_file = log_file
+        self.preempted = False
+        with log_file.open("w") as out:
+            out.write(" ".join(cmd) + "\n")
+        self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      start_new_session=True)
+        self._reader = threading.Thread(target=self._read, args=(log,), daemon=True)
+        self._reader.start()
+
+    def _read(self, log: JobLog) -> None:
+        with self.log_file.open("a") as out:
+            for line in self.popen.stdout:
+                out.write(line)
+                out.flush()
+                log.feed(line)
+
+    def preempt(self, grace_seconds: float) -> None:
+        """SIGTERM now, SIGKILL after the grace period (on a timer: the replay goes on)."""
+        self.preempted = True
+        self.signal(signal.SIGTERM)
+        timer = threading.Timer(grace_seconds, self.signal, args=(signal.SIGKILL,))
+        timer.daemon = True
+        timer.start()
+
+    def signal(self, signum: int) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait()
+        self._reader.join(timeout=5)
+
+    def tail(self, lines: int = 5) -> str:
+        text = self.log_file.read_text(errors="replace").strip().splitlines()
+        return "\n".join(text[-lines:])
+
+
+def _child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 
 
 def largest_world(command_args: list[str], model: str, available: int) -> int:
@@ -82,80 +175,361 @@ def largest_world(command_args: list[str], model: str, available: int) -> int:
     return 0
 
 
+class Job(Protocol):
+    log: JobLog
+
+    def resize(self, count: int) -> None: ...
+    def stop(self) -> None: ...
+    def check(self) -> bool: ...
+
+
+class ParcaeJob:
+    """The job under test with --parcae: coordinator, etcd and one worker per instance."""
+
+    def __init__(self, script: str, command_args: list[str], workdir: Path, profile: Path, grace_seconds: float,
+                 interval_seconds: float, max_instances: int, seed: int) -> None:
+        from megatron_parcae.etcd import EtcdServer
+
+        self.script, self.args, self.workdir = script, command_args, workdir
+        self.grace_seconds = grace_seconds
+        self.log = JobLog()
+        self.preemptions = self.arrivals = 0
+        self._rng = random.Random(seed)
+        self._workers: dict[int, _Process] = {}
+        self._next_id = 0
+        self.job = f"replay-{os.getpid()}-{int(time.time())}"
+        self._server = EtcdServer().start()
+        # The first plan does not wait for every initial instance: some may be preempted
+        # before they have started (as in real traces), and joining later costs little.
+        config = {"profile": str(profile.resolve()), "interval-seconds": interval_seconds, "lookahead": 8,
+                  "grace-seconds": grace_seconds, "lease-seconds": LEASE_SECONDS, "max-workers": max_instances,
+                  "min-workers": 1, "distributed-optimizer": "--use-distributed-optimizer" in command_args}
+        config_path = workdir / "coordinator.yaml"
+        config_path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+        self._coordinator = _Process(
+            [sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", self._server.endpoint,
+             "--job", self.job, "--config", str(config_path)], JobLog(), workdir / "coordinator.log", _child_env())
+
+    def _alive(self) -> list[int]:
+        return sorted(w for w, p in self._workers.items() if not p.preempted and p.popen.poll() is None)
+
+    def resize(self, count: int) -> None:
+        alive = self._alive()
+        if count < len(alive):
+            for worker in self._rng.sample(alive, len(alive) - count):
+                self._workers[worker].preempt(self.grace_seconds)
+                self.preemptions += 1
+                self.log.event(f"preempt worker {worker}", count)
+        if self._workers:
+            self.arrivals += max(0, count - len(alive))
+        for _ in range(count - len(alive)):
+            self._start_worker()
+
+    def _start_worker(self) -> None:
+        worker, self._next_id = self._next_id, self._next_id + 1
+        self.log.event(f"start worker {worker}", len(self._alive()) + 1)
+        cmd = [sys.executable, self.script, *self.args, "--parcae", "--parcae-etcd", self._server.endpoint,
+               "--parcae-job", self.job, "--parcae-worker-id", str(worker),
+               "--parcae-grace-seconds", str(self.grace_seconds), "--parcae-lease-seconds", str(LEASE_SECONDS)]
+        self._workers[worker] = _Process(cmd, self.log, self.workdir / f"worker-{worker}.log", _child_env())
+
+    def check(self) -> bool:
+        """Whether training has ended (the coordinator exits then). Fails fast when a process
+        dies on its own, not preempted: the replay would mean nothing."""
+        for worker, p in self._workers.items():
+            code = p.popen.poll()
+            if code not in (None, 0) and not p.preempted:
+                raise ReplayError(f"worker {worker} exited with {code} (log {p.log_file}):\n{p.tail()}")
+        code = self._coordinator.popen.poll()
+        if code not in (None, 0):
+            raise ReplayError(f"the coordinator exited with {code}:\n{self._coordinator.tail()}")
+        return code == 0
+
+    def stop(self) -> None:
+        """The replay is over: everything still running is killed; what was trained counts."""
+        self._coordinator.signal(signal.SIGTERM)
+        try:
+            self._coordinator.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            self._coordinator.kill()
+        for p in self._workers.values():
+            p.kill()
+        self._server.stop()
+
+
 class CheckpointRestartJob:
     """Reactive checkpoint-restart: restart torchrun from the last checkpoint on every change."""
 
-    def __init__(self, script: str, command_args: list[str], checkpoint_dir: Path, save_interval: int,
-                 grace_seconds: float, log_file: Path) -> None:
+    def __init__(self, script: str, command_args: list[str], workdir: Path, save_interval: int,
+                 grace_seconds: float) -> None:
         self.script = script
         self.model = "bert" if "bert" in Path(script).name else "gpt"
         self.args = command_args
-        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_dir = workdir / "checkpoints"
+        self.workdir = workdir
         self.save_interval = save_interval
         self.grace_seconds = grace_seconds
         self.log = JobLog()
-        self.restarts: list[dict] = []
-        self._log_file = log_file.open("a")
-        self._proc: subprocess.Popen | None = None
-        self._reader: threading.Thread | None = None
-
-    def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            self._log_file.write(line)
-            self.log.feed(line)
-        self._log_file.flush()
+        self.preemptions = self.arrivals = 0
+        self._instances = 0
+        self._proc: _Process | None = None
+        self._restarts = 0
 
     def resize(self, count: int) -> None:
-        started = time.monotonic()
-        self._kill(keep_progress=False)
+        self.log.event("restart", count)
+        self.preemptions += max(0, self._instances - count)
+        self.arrivals += max(0, count - self._instances) if self._instances else 0
+        self._instances = count
+        self._kill()
         world = largest_world(self.args, self.model, count)
-        self.restarts.append({"at": started, "instances": count, "processes": world,
-                              "from_iteration": self.log.saved_iteration})
         if world == 0:
             return
         resume = ["--load", str(self.checkpoint_dir)] if (self.checkpoint_dir / "latest_checkpointed_iteration.txt").exists() else []
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                self.script, *self.args, "--save", str(self.checkpoint_dir), "--save-interval",
                str(self.save_interval), *resume]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=env, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, args=(self._proc,), daemon=True)
-        self._reader.start()
+        args = parse_args(self.args, prog="replay", model=self.model, world_size=world)
+        self.log.changes.append({"at_seconds": self.log.seconds(), "iteration": self.log.saved_iteration,
+                                 "kind": "restart", "layout": [args.tensor_model_parallel_size,
+                                                               args.pipeline_model_parallel_size, args.data_parallel_size],
+                                 "seconds": None, "lost_steps": 0})
+        self._restarts += 1
+        self._proc = _Process(cmd, self.log, self.workdir / f"torchrun-{self._restarts}.log", _child_env())
 
-    def _kill(self, keep_progress: bool) -> None:
-        """Preempt every process of the job: SIGTERM, SIGKILL after the grace period.
-
-        Unless `keep_progress` (the end of the replay), what was trained since the last
-        checkpoint is lost.
-        """
+    def _kill(self) -> None:
+        """Preempt every process of the job: SIGTERM, SIGKILL after the grace period; what
+        was trained since the last checkpoint is lost."""
         if self._proc is None:
             return
-        if self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(self.grace_seconds)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        self._reader.join()
+        self._proc.signal(signal.SIGTERM)
+        try:
+            self._proc.popen.wait(self.grace_seconds)
+        except subprocess.TimeoutExpired:
+            pass
+        self._proc.kill()
         self._proc = None
-        if not keep_progress:
-            self.log.lost_steps += self.log.iteration - self.log.saved_iteration
-            self.log.iteration = self.log.saved_iteration
+        if self.log.changes:
+            self.log.changes[-1]["lost_steps"] = self.log.iteration - self.log.saved_iteration
+        self.log.rollback_to_checkpoint()
+
+    def check(self) -> bool:
+        """Whether training has ended; fails fast when torchrun exits with an error we did not cause."""
+        p = self._proc
+        if p is not None and p.popen.poll() not in (None, 0):
+            raise ReplayError(f"the training command exited with {p.popen.returncode} (log {p.log_file}):\n{p.tail()}")
+        return p is not None and p.popen.poll() == 0
 
     def stop(self) -> None:
         """End of the replay: what the job has trained so far counts."""
-        self._kill(keep_progress=True)
-        self._log_file.close()
+        if self._proc is not None:
+            self._proc.kill()
 
 
-def replay(steps: list[ReplayStep], job, duration_seconds: float) -> float:
-    """Drive `job` through the steps in wall-clock time; returns the seconds it took."""
+def replay(steps: list[ReplayStep], job: Job, duration_seconds: float) -> float:
+    """Drive `job` through the steps in wall-clock time, until the trace or the training
+    ends; returns the seconds it took."""
     start = time.monotonic()
-    for step in steps:
-        time.sleep(max(0.0, start + step.at_seconds - time.monotonic()))
-        job.resize(step.count)
-    time.sleep(max(0.0, start + duration_seconds - time.monotonic()))
-    job.stop()
+    try:
+        for step in steps:
+            if _sleep_checking(job, start + step.at_seconds):
+                break
+            job.resize(step.count)
+        else:
+            _sleep_checking(job, start + duration_seconds)
+    finally:
+        job.stop()
     return time.monotonic() - start
+
+
+def _sleep_checking(job: Job, until: float) -> bool:
+    """Sleep until `until`, watching the job; True as soon as its training has ended."""
+    while (left := until - time.monotonic()) > 0:
+        if job.check():
+            return True
+        time.sleep(min(0.5, left))
+    return job.check()
+
+
+# -- summary ---------------------------------------------------------------------------
+
+
+@dataclass
+class ReplaySummary:
+    """What a replay achieved; `samples` is the figure the comparison is about."""
+
+    mode: str
+    trace: str
+    hours: list[float]
+    speedup: float
+    grace_seconds: float
+    max_instances: int
+    wall_seconds: float
+    samples: int
+    iterations: int
+    final_loss: float | None
+    lost_steps: int
+    preemptions: int
+    arrivals: int
+    seconds_per_layout: dict[str, float]
+    changes: list[dict]
+    events: list[dict]
+    progress: list[list[float]]
+    losses: dict[int, float]
+
+    @classmethod
+    def of(cls, mode: str, job: Job, wall_seconds: float, **setting) -> ReplaySummary:
+        log = job.log
+        per_layout: dict[str, float] = {}
+        for change, following in zip(log.changes, [*log.changes[1:], None]):
+            end = wall_seconds if following is None else following["at_seconds"]
+            key = "T{}P{}D{}".format(*change["layout"])
+            per_layout[key] = round(per_layout.get(key, 0.0) + max(0.0, end - change["at_seconds"]), 3)
+        return cls(mode=mode, wall_seconds=round(wall_seconds, 3), samples=log.consumed_samples if log.iteration else 0,
+                   iterations=log.iteration, final_loss=log.loss, lost_steps=log.lost_steps,
+                   preemptions=job.preemptions, arrivals=job.arrivals, seconds_per_layout=per_layout,
+                   changes=log.changes, events=log.events, progress=[list(p) for p in log.progress],
+                   losses=dict(sorted(log.losses.items())), **setting)
+
+    def table_rows(self) -> list[tuple[str, str]]:
+        changes = [c for c in self.changes if c["kind"] != "restart" or self.mode != "parcae"]
+        return [
+            ("samples trained", f"{self.samples}"),
+            ("iterations", f"{self.iterations}"),
+            ("final loss", "-" if self.final_loss is None else f"{self.final_loss:.4f}"),
+            ("preemptions / arrivals", f"{self.preemptions} / {self.arrivals}"),
+            ("layout changes", f"{len(self.changes)}"),
+            ("mean change seconds", _mean([c["seconds"] for c in changes if c["seconds"] is not None])),
+            ("lost steps", f"{self.lost_steps}"),
+            ("wall seconds", f"{self.wall_seconds:.0f}"),
+        ]
+
+
+def _mean(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.2f}" if values else "-"
+
+
+def side_by_side(summaries: list[ReplaySummary]) -> str:
+    rows = [s.table_rows() for s in summaries]
+    width = max(len(name) for name, _ in rows[0])
+    lines = [f"{'':{width}}  " + "  ".join(f"{s.mode:>20}" for s in summaries)]
+    for i, (name, _) in enumerate(rows[0]):
+        lines.append(f"{name:{width}}  " + "  ".join(f"{r[i][1]:>20}" for r in rows))
+    return "\n".join(lines)
+
+
+def plot(summaries: list[ReplaySummary], steps: list[ReplayStep], path: Path) -> None:
+    """Timeline: instances available, and samples trained by each job, over wall time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    end = max(s.wall_seconds for s in summaries)
+    xs = [s.at_seconds for s in steps] + [end]
+    top.step(xs, [s.count for s in steps] + [steps[-1].count], where="post", color="black")
+    top.set_ylabel("instances")
+    for s in summaries:
+        line, = bottom.plot([p[0] for p in s.progress], [p[1] for p in s.progress], label=s.mode)
+        for change in s.changes:
+            bottom.axvline(change["at_seconds"], color=line.get_color(), alpha=0.25, linewidth=1)
+    bottom.set_xlabel("wall seconds")
+    bottom.set_ylabel("samples trained")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -- command line ----------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="availability trace (any format of predictor.traces)")
+    parser.add_argument("--start-hour", type=float, default=0.0)
+    parser.add_argument("--end-hour", type=float, default=None, help="default: the end of the trace")
+    parser.add_argument("--max-instances", type=int, required=True,
+                        help="scale the trace so that its peak is this many instances (one process each)")
+    parser.add_argument("--speedup", type=float, default=1.0, help="trace seconds per wall-clock second")
+    parser.add_argument("--grace-seconds", type=float, default=10.0,
+                        help="wall-clock seconds between SIGTERM and SIGKILL of a preempted instance")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="the model's layer profile (parcae profile) or throughput CSV, for the coordinator")
+    parser.add_argument("--baseline", choices=BASELINES, default=None,
+                        help="then replay the same trace with this baseline and compare")
+    parser.add_argument("--save-interval", type=int, default=20, help="the baseline's checkpoint interval (iterations)")
+    parser.add_argument("--seed", type=int, default=0, help="which instances the preemptions hit")
+    parser.add_argument("--workdir", type=Path, default=Path("replay"), help="logs, checkpoints, configs")
+    parser.add_argument("--json", type=Path, default=None, help="write the summary here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a timeline PNG here")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="-- then the training script and its flags (without --parcae)")
+
+
+def _training_command(args: argparse.Namespace) -> tuple[str, list[str], str]:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command or not command[0].endswith(".py"):
+        raise ValueError("give the training command after --, e.g. -- scripts/pretrain_gpt.py --config configs/gpt-tiny.yaml")
+    script, flags = command[0], command[1:]
+    if not Path(script).is_file():
+        raise ValueError(f"training script {script} does not exist")
+    if any(f == "--parcae" or f.startswith("--parcae-") for f in flags):
+        raise ValueError("leave --parcae and --parcae-* out of the training command: the emulator adds them")
+    model = "bert" if "bert" in Path(script).name else "gpt"
+    try:
+        parse_args(flags, prog=script, model=model, world_size=1)
+    except ArgumentError as exc:
+        raise ValueError(f"training command: {exc}") from None
+    return script, flags, model
+
+
+def run(args: argparse.Namespace) -> int:
+    from predictor.traces import AvailabilityTrace, TraceFormatError
+
+    prog = "parcae replay"
+    try:
+        if args.max_instances < 1:
+            raise ValueError("--max-instances must be at least 1")
+        if not args.grace_seconds >= 0:
+            raise ValueError("--grace-seconds must be >= 0")
+        script, flags, _ = _training_command(args)
+        if args.profile is None or not args.profile.is_file():
+            raise ValueError(f"--profile: {'required' if args.profile is None else f'no file {args.profile}'} "
+                             "(make one with `parcae profile`)")
+        trace = AvailabilityTrace.load(args.trace)
+        end = args.end_hour if args.end_hour is not None else trace.duration_seconds / 3600.0
+        segment = trace.cut(args.start_hour, end).scale(args.max_instances)
+        steps = replay_steps(segment, args.speedup)
+    except (ValueError, TraceFormatError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    duration = segment.duration_seconds / args.speedup
+    setting = dict(trace=str(args.trace), hours=[args.start_hour, end], speedup=args.speedup,
+                   grace_seconds=args.grace_seconds, max_instances=args.max_instances)
+    runs: list[tuple[str, Callable[[Path], Job]]] = [("parcae", lambda d: ParcaeJob(
+        script, flags, d, args.profile, args.grace_seconds, 60.0 / args.speedup, args.max_instances, args.seed))]
+    if args.baseline == "checkpoint-restart":
+        runs.append(("checkpoint-restart", lambda d: CheckpointRestartJob(
+            script, flags, d, args.save_interval, args.grace_seconds)))
+    summaries = []
+    for mode, make_job in runs:
+        workdir = args.workdir / mode
+        workdir.mkdir(parents=True, exist_ok=True)
+        print(f"{prog}: {mode}: {len(steps)} availability changes over {duration:.0f} s (logs in {workdir})", flush=True)
+        try:
+            job = make_job(workdir)
+            wall = replay(steps, job, duration)
+        except ReplayError as exc:
+            print(f"{prog}: error: {mode}: {exc}", file=sys.stderr)
+            return 1
+        summaries.append(ReplaySummary.of(mode, job, wall, **setting))
+    print(side_by_side(summaries), flush=True)
+    result: dict = {s.mode: asdict(s) for s in summaries}
+    if len(summaries) == 2 and summaries[1].samples:
+        result["ratio"] = round(summaries[0].samples / summaries[1].samples, 3)
+        print(f"parcae / {summaries[1].mode} samples: {result['ratio']:.2f}x", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(summaries, steps, args.plot)
+    return 0

@@ -63,6 +63,9 @@ def parse_layout_schedule(text: str) -> tuple[LayoutChange, ...]:
                     raise ValueError(f"entry {entry!r}: a worker leaves twice")
             else:
                 join += int(value)
+        if iteration < 1:
+            raise ValueError(f"entry {entry!r}: changes come after at least one iteration (the job starts in "
+                             "the layout its flags give)")
         if min(tp, pp, dp) < 1:
             raise ValueError(f"entry {entry!r}: T, P and D must be positive")
         if changes and iteration <= changes[-1].iteration:

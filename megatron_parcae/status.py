@@ -13,7 +13,8 @@ import sys
 import time
 from typing import Any
 
-from megatron_parcae.coordinator import add_etcd_arguments, connect, read_state
+from megatron_parcae.coordinator import read_state
+from megatron_parcae.etcd.options import add_etcd_arguments, connect
 from megatron_parcae.etcd import EtcdError, JobStore, SchemaError
 from reconfig.layout import Layout
 

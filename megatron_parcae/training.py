@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_parcae.cpu import enable_cpu_support
 from megatron_parcae.data.datasets import build_tokenizer, build_train_dataset, rank_micro_batches, step_iterator
+from megatron_parcae.live import LiveJobError, LiveReconfiguration
 from megatron_parcae.models import build_model_chunk, padded_vocab_size, transformer_config, wrap_for_training
 from reconfig.execute import ScheduledReconfiguration
 from reconfig.tensors import unwrap
@@ -205,6 +206,14 @@ def format_log_line(args: argparse.Namespace, progress: Progress, result: StepRe
     return " | ".join(parts) + " |"
 
 
+def prepare_device() -> None:
+    """The GPU of LOCAL_RANK, or megatron-core's CPU support when there is none."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        enable_cpu_support()
+
+
 def initialize_distributed() -> None:
     """torch.distributed from torchrun's environment (a single process runs without torchrun)."""
     os.environ.setdefault("RANK", "0")
@@ -212,63 +221,88 @@ def initialize_distributed() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl", timeout=timedelta(minutes=10))
-    else:
-        enable_cpu_support()
-        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    prepare_device()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
+
+
+def _fail(prog: str, message: str, code: int) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def run_training(args: argparse.Namespace, prog: str) -> int:
-    """Train as `args` say; the arguments were validated before any process group exists."""
-    initialize_distributed()
+    """Train as `args` say; the arguments were validated before any process group exists.
+
+    Without --parcae the layout is fixed. With --parcae-layout-schedule or --parcae-etcd
+    a reconfiguration hook owns WORLD: it gives the loop the runtime to train with at
+    every iteration boundary, and the samples the job has consumed.
+    """
+    client = None
+    if args.parcae_etcd is not None:
+        from megatron_parcae.etcd import EtcdError
+        from megatron_parcae.etcd.options import connect
+
+        try:
+            client = connect(args, prefix="parcae-")
+        except (ValueError, EtcdError) as exc:
+            return _fail(prog, f"--parcae-etcd {args.parcae_etcd}: {exc}", 1)
+        prepare_device()
+    else:
+        initialize_distributed()
     from megatron_parcae import checkpointing
 
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
     dataset = build_train_dataset(args, tokenizer)
-    schedule = None
-    if args.parcae_layout_schedule:
-        schedule = ScheduledReconfiguration(args, vocab, LayoutRuntime)
-        runtime, start = schedule.start()
-        if runtime is None:
-            return 0  # an idle worker that no change placed
-        progress = Progress(start, start * args.global_batch_size)
-    else:
-        runtime, progress = LayoutRuntime(args, vocab), Progress()
-    rank0 = dist.get_rank() == 0
-    if args.load:
-        try:
-            progress = checkpointing.load(args.load, runtime)
-        except checkpointing.CheckpointError as exc:
-            if rank0:
-                print(f"{prog}: error: {exc}", file=sys.stderr)
-            return 2
-        if rank0:
-            print(f" loaded checkpoint {args.load} at iteration {progress.iteration}", flush=True)
-    window_start, window_iters = time.perf_counter(), 0
-    while progress.iteration < args.train_iters:
-        if schedule:
-            runtime, iteration = schedule.advance(runtime, progress.iteration)
+    hook = None
+    if client is not None:
+        hook = LiveReconfiguration(args, vocab, LayoutRuntime, client)
+    elif args.parcae_layout_schedule:
+        hook = ScheduledReconfiguration(args, vocab, LayoutRuntime)
+    finished = None
+    try:
+        if hook is not None:
+            runtime, consumed = hook.start()
             if runtime is None:
-                return 0  # left the job
-            progress = Progress(iteration, iteration * args.global_batch_size)
-            rank0 = dist.get_rank() == 0
-        report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
-        result = runtime.train_step(dataset, progress, report)
-        progress.iteration += 1
-        progress.consumed_samples += args.global_batch_size
-        window_iters += 1
-        if report:
-            elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
-            if rank0:
-                print(format_log_line(args, progress, result, elapsed_ms), flush=True)
-            window_start, window_iters = time.perf_counter(), 0
-        if args.save_interval and progress.iteration % args.save_interval == 0:
+                return 0  # a worker no change placed
+        else:
+            runtime, consumed = LayoutRuntime(args, vocab), 0
+        progress = Progress(consumed // args.global_batch_size, consumed)
+        if args.load and client is None:
+            try:
+                progress = checkpointing.load(args.load, runtime)
+            except checkpointing.CheckpointError as exc:
+                return _fail(prog, str(exc), 2) if dist.get_rank() == 0 else 2
+            if dist.get_rank() == 0:
+                print(f" loaded checkpoint {args.load} at iteration {progress.iteration}", flush=True)
+        window_start, window_iters = time.perf_counter(), 0
+        while progress.iteration < args.train_iters:
+            report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
+            result = runtime.train_step(dataset, progress, report)
+            progress.iteration += 1
+            progress.consumed_samples += args.global_batch_size
+            window_iters += 1
+            if report:
+                elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
+                if dist.get_rank() == 0:
+                    print(format_log_line(args, progress, result, elapsed_ms), flush=True)
+                window_start, window_iters = time.perf_counter(), 0
+            if args.save_interval and progress.iteration % args.save_interval == 0:
+                checkpointing.save(args.save, runtime, progress)
+            if hook is not None and progress.iteration < args.train_iters:  # the boundary between two steps
+                runtime, consumed = hook.advance(runtime, progress.consumed_samples)
+                if runtime is None:
+                    return 0  # left the job
+                progress = Progress(consumed // args.global_batch_size, consumed)
+        if args.save and (not args.save_interval or progress.iteration % args.save_interval):
             checkpointing.save(args.save, runtime, progress)
-    if args.save and (not args.save_interval or progress.iteration % args.save_interval):
-        checkpointing.save(args.save, runtime, progress)
-    runtime.destroy()
-    dist.destroy_process_group()
-    return 0
+        runtime.destroy()
+        finished = progress.consumed_samples
+        return 0
+    except LiveJobError as exc:
+        return _fail(prog, str(exc), 1)
+    finally:
+        if hook is not None:
+            hook.finish(finished)
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -264,12 +264,14 @@ def export_held_state(runtime: Runtime) -> HeldState:
 
 
 def migrate(plan: MigrationPlan, generation: int, world: World, runtime: Runtime | None,
-            build: RuntimeFactory, scheduler_steps: int) -> Runtime | None:
-    """Move this worker to `plan.new`; returns its new runtime, or None when it has no slot.
+            build: RuntimeFactory, consumed_samples: int) -> tuple[Runtime | None, int]:
+    """Move this worker to `plan.new`; returns its new runtime (None: it has no slot) and
+    the job's consumed samples.
 
     Called by every worker of the old layout still running and every worker the plan
     places, with the same plan and generation. `runtime` is None for a worker that holds
-    nothing (joining). `scheduler_steps` is the LR scheduler's position (consumed samples).
+    nothing (joining); its `consumed_samples` (0 if it knows none) is replaced by the
+    newest any participant knows, which also sets the LR scheduler's position.
     """
     held = export_held_state(runtime) if runtime is not None else None
     if runtime is not None:
@@ -279,24 +281,29 @@ def migrate(plan: MigrationPlan, generation: int, world: World, runtime: Runtime
     new_slots = plan.new.slots
     senders = sorted({t.src for t in plan.transfers} - set(new_slots))
     members = tuple(new_slots) + tuple(senders)
+    if world.worker not in members:
+        world.leave()
+        return None, consumed_samples
     if world.members != members:
         world.reform(members, f"g{generation}")
-    received = _exchange(plan, world, held) if world.worker in members else []
+    # Joining workers learn Adam's step count and the samples consumed from those who hold state.
+    progress = torch.tensor([held.step if held else 0, consumed_samples], dtype=torch.int64)
+    dist.all_reduce(progress, op=dist.ReduceOp.MAX)
+    step, consumed_samples = int(progress[0]), int(progress[1])
+    received = _exchange(plan, world, held)
     if world.worker not in new_slots:
         world.leave()
-        return None
+        return None, consumed_samples
     if world.members != new_slots:
-        world.reform(new_slots, f"g{generation}.layout")
+        world.reform(new_slots, f"g{generation}/layout")
     new_runtime = build(plan.new.parallelism)
     initialize_optimizer_states(new_runtime.optimizer)
     sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
     states = _assemble(new_runtime, held, received, sharded)
-    step = torch.tensor([held.step if held else 0], dtype=torch.int64)
-    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # joining workers learn Adam's step count
-    import_param_states(new_runtime.model, new_runtime.optimizer, states, int(step))
-    new_runtime.scheduler.num_steps = scheduler_steps
+    import_param_states(new_runtime.model, new_runtime.optimizer, states, step)
+    new_runtime.scheduler.num_steps = consumed_samples
     new_runtime.scheduler.step(increment=0)
-    return new_runtime
+    return new_runtime, consumed_samples
 
 
 def layout_args(args: argparse.Namespace, parallelism: Parallelism) -> argparse.Namespace:
@@ -322,8 +329,21 @@ def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
                       param_bytes_per_param=2 if half else 4, optimizer_bytes_per_param=12 if half else 8)
 
 
+def change_report(plan: MigrationPlan, iteration: int, started: float) -> str:
+    """The log line of an applied migration (rank 0 prints it; the spot emulator reads it)."""
+    p = plan.new.parallelism
+    return (f" layout change at iteration {iteration}: {plan.kind} migration to tp {p.tp} pp {p.pp} dp {p.dp}, "
+            f"{plan.bytes_total()} bytes planned, {(time.perf_counter() - started) * 1000.0:.1f} ms, "
+            f"{live_process_groups()} process groups")
+
+
 class ScheduledReconfiguration:
-    """The training loop's hook for `--parcae-layout-schedule`: the changes, applied in order."""
+    """The training loop's hook for `--parcae-layout-schedule`: the changes, applied in order.
+
+    Like every hook of the loop (see training.run_training) it speaks in consumed samples:
+    `start()` and `advance()` return the runtime to train with (None: this worker is done)
+    and the samples the job has consumed.
+    """
 
     def __init__(self, args: argparse.Namespace, vocab_size: int,
                  runtime_factory: Callable[[argparse.Namespace, int], Runtime]) -> None:
@@ -339,7 +359,7 @@ class ScheduledReconfiguration:
         self.build: RuntimeFactory = lambda p: runtime_factory(layout_args(args, p), vocab_size)
 
     def start(self) -> tuple[Runtime | None, int]:
-        """The first layout this worker is in and the iteration it starts at (None: never used)."""
+        """The first layout this worker is in (None: never used)."""
         active = tuple(range(self.initial.world_size))
         if self.world.members != active:
             self.world.reform(active, "g0")
@@ -347,28 +367,27 @@ class ScheduledReconfiguration:
             return self.build(self.initial), 0
         return self._join_after(0)
 
-    def advance(self, runtime: Runtime, iteration: int) -> tuple[Runtime | None, int]:
-        """Apply the change due after `iteration` steps, if any.
+    def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
+        """Apply the change due at this iteration boundary, if any.
 
-        Returns the runtime to train with and its iteration; a worker left on standby
-        waits here for the change that places it again. None: this worker is done.
+        A worker left on standby waits here for the change that places it again.
         """
+        iteration = consumed_samples // self.samples_per_iteration
         due = next((m for m in self.migrations if m.iteration == iteration and m.generation > self.generation), None)
         if due is None:
-            return runtime, iteration
+            return runtime, consumed_samples
         started = time.perf_counter()
-        new = self._run(due, runtime)
+        new, consumed_samples = self._run(due, runtime)
         if new is not None and dist.get_rank() == 0:
-            p = due.plan.new.parallelism
-            print(f" layout change at iteration {iteration}: {due.plan.kind} migration to tp {p.tp} pp {p.pp} "
-                  f"dp {p.dp}, {due.plan.bytes_total()} bytes planned, "
-                  f"{(time.perf_counter() - started) * 1000.0:.1f} ms, {live_process_groups()} process groups",
-                  flush=True)
+            print(change_report(due.plan, iteration, started), flush=True)
         if new is not None or self.world.worker in due.plan.request.leaving:
-            return new, iteration
+            return new, consumed_samples
         return self._join_after(due.generation)
 
-    def _run(self, migration: ScheduledMigration, runtime: Runtime | None) -> Runtime | None:
+    def finish(self, consumed_samples: int | None) -> None:
+        """This worker is done (`consumed_samples` None: it left early); nobody needs telling."""
+
+    def _run(self, migration: ScheduledMigration, runtime: Runtime | None) -> tuple[Runtime | None, int]:
         self.generation = migration.generation
         return migrate(migration.plan, migration.generation, self.world, runtime, self.build,
                        migration.iteration * self.samples_per_iteration)
@@ -376,5 +395,5 @@ class ScheduledReconfiguration:
     def _join_after(self, generation: int) -> tuple[Runtime | None, int]:
         for m in self.migrations:
             if m.generation > generation and self.world.worker in m.plan.new.workers:
-                return self._run(m, None), m.iteration
+                return self._run(m, None)
         return None, 0

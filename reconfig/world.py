@@ -58,6 +58,9 @@ class World:
     def reform(self, members: Sequence[int], key: str) -> None:
         """Make WORLD exactly `members` (worker ids in rank order), on the store prefix `key`.
 
+        Keys are `parcae/<key>/...` in the store; `key` starts with `g<generation>/`, so one
+        prefix holds all of a generation's keys (etcd.keys.JobKeys.world_store drops them).
+
         Every member calls it with the same arguments; it returns when all have joined.
         A process that is not a member only leaves the current WORLD.
         """

@@ -44,8 +44,6 @@ def test_plans_are_delivered_in_order_and_acknowledged(job_agent):
     first = envelope(1, [3])
     assert store.publish_plan(first)
     assert wait_for(agent.pending_plan, 10, "plan 1") == first
-    with pytest.raises(AgentError, match="cannot acknowledge generation 2"):
-        agent.acknowledge(2)
     agent.acknowledge(1)
     assert agent.pending_plan() is None and agent.generation == 1
     wait_for(lambda: store.members()[3].generation == 1, 10, "the acknowledgement in etcd")

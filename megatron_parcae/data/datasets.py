@@ -10,7 +10,10 @@ needs nothing but the consumed-samples count to continue.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -69,10 +72,29 @@ def build_train_dataset(args: argparse.Namespace, tokenizer) -> torch.utils.data
             masking_do_full_word=False, masking_do_permutation=False, masking_use_longer_ngrams=False,
             masking_use_geometric_distribution=False, classification_head=not args.bert_no_binary_head,
             **common)
-    train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
+    # Independently started workers (--parcae-etcd) build at once; megatron-core writes its
+    # index cache without locking, so one builds while the others wait, then read its cache.
+    lock_dir = Path(args.data_cache_path or Path(args.data_path[0]).parent) if not args.mock_data else None
+    with _exclusive(lock_dir / ".parcae-dataset-build.lock" if lock_dir else None):
+        train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
     if train is None or len(train) < num_samples:
         raise ValueError(f"--data-path holds too little data for {num_samples} training samples")
     return train
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path | None) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_path` (no lock when None)."""
+    if lock_path is None:
+        yield
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def rank_micro_batches(consumed: int, global_batch: int, micro_batch: int, dp_rank: int,

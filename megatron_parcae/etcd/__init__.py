@@ -16,6 +16,7 @@ from megatron_parcae.etcd.client import (
 from megatron_parcae.etcd.keys import JobKeys, JobStore, PlanEnvelope, SchemaError
 from megatron_parcae.etcd.leadership import Leadership, NotLeader
 from megatron_parcae.etcd.server import EtcdNotInstalled, EtcdServer, find_etcd_binary
+from megatron_parcae.etcd.store import EtcdStore
 
 __all__ = [
     "EtcdAuthError",
@@ -23,6 +24,7 @@ __all__ = [
     "EtcdError",
     "EtcdNotInstalled",
     "EtcdServer",
+    "EtcdStore",
     "EtcdUnavailable",
     "JobKeys",
     "JobStore",

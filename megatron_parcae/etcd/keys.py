@@ -187,6 +187,19 @@ class LeaderRecord(Record):
 
 
 @dataclass(frozen=True)
+class DoneRecord(Record):
+    """Training reached its last iteration: standby workers and the coordinator exit."""
+
+    generation: int
+    iteration: int
+    consumed_samples: int
+    finished_at: float
+
+    SCHEMA = {"generation": Field(int, 1, MAX_GENERATION), "iteration": Field(int, 0, 2**53),
+              "consumed_samples": Field(int, 0, 2**53), "finished_at": _TIME}
+
+
+@dataclass(frozen=True)
 class StepReport(Record):
     """Measured training step time of one worker: mean `seconds` over the last `window` steps."""
 
@@ -306,6 +319,19 @@ class JobKeys:
     @property
     def generation(self) -> str:
         return self.prefix + "generation"
+
+    @property
+    def done(self) -> str:
+        return self.prefix + "done"
+
+    @property
+    def store(self) -> str:
+        """The torch.distributed store of the job's WORLDs (etcd.store.EtcdStore)."""
+        return self.prefix + "store/"
+
+    def world_store(self, generation: int) -> str:
+        """The store keys of one generation's WORLDs (reconfig.world.World.reform's `g<N>/`)."""
+        return f"{self.store}parcae/g{Field(int, 0, MAX_GENERATION).check(generation, 'generation')}/"
 
     def member(self, worker_id: int) -> str:
         return f"{self.members}{_WORKER.check(worker_id, 'worker id'):010d}"
@@ -428,7 +454,18 @@ class JobStore:
         writes: list[Put | Delete] = [Put(self.keys.plan(g), plan.encode()), Put(self.keys.generation, encode_generation(g))]
         if g > PLANS_KEPT:
             writes.append(Delete(self.keys.plan(g - PLANS_KEPT)))
+            writes.append(Delete(self.keys.world_store(g - PLANS_KEPT), prefix=True))
         return self.client.txn([previous, *guard], writes).succeeded
+
+    # -- end of training -------------------------------------------------------------
+
+    def mark_done(self, record: DoneRecord) -> bool:
+        """Record that training ended; the first record stays. Returns whether this one was written."""
+        return self.client.txn([Compare(self.keys.done, "version", "==", 0)], [Put(self.keys.done, record.encode())]).succeeded
+
+    def done(self) -> DoneRecord | None:
+        kv = self.client.get(self.keys.done)
+        return None if kv is None else DoneRecord.decode(kv.value, kv.key)
 
     # -- leader ----------------------------------------------------------------------
 

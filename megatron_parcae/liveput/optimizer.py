@@ -95,7 +95,8 @@ class LiveputOptimizer:
     long as its caller; it holds no other state, so a restarted caller loses only time.
     """
 
-    def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel, horizon: int, candidates: int = 4):
+    def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel, horizon: int, candidates: int = 4,
+                 distributed_optimizer: bool = False):
         if horizon < 1:
             raise ValueError(f"horizon must be at least 1 interval, got {horizon}")
         if candidates < 1:
@@ -105,6 +106,7 @@ class LiveputOptimizer:
         self.scenarios = ScenarioCosts(throughput, costs)
         self.horizon = horizon
         self.candidates = candidates
+        self.distributed_optimizer = distributed_optimizer  # the job's: it decides which moments a plan moves
         self.interval = costs.constants.interval_seconds
         # layouts by index: the program's keys are small integers, cheap to hash
         self._layouts = throughput.layouts()
@@ -295,7 +297,7 @@ class LiveputOptimizer:
         if target == current.parallelism and not (lost or leaving):
             return Decision(current, None, NO_COST, tuple(path), value)
         survivors = current.workers & available
-        request = MigrationRequest(current, survivors, leaving, available - current.workers)
+        request = MigrationRequest(current, survivors, leaving, available - current.workers, self.distributed_optimizer)
         joining = target.world_size > len(survivors)
         try:
             plan = plan_migration(request, target, self.costs.shape)

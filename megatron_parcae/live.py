@@ -1,0 +1,215 @@
+"""`--parcae-etcd`: the training loop's hook in a job that `parcae coordinator` drives.
+
+Every training process is one worker with an id unique over the job's life. Its agent
+(megatron_parcae/agent.py) keeps it registered in etcd, turns SIGTERM into a preemption
+notice and delivers the coordinator's plans; this module applies them:
+
+- `start()` registers and waits on standby, holding nothing, until a plan places the
+  worker.
+- `advance()` runs at every iteration boundary. The layout's workers agree on the newest
+  generation any of them has seen (one all-reduce of one integer), so all of them apply
+  a plan at the same boundary even though each learns of it at its own moment. Plans
+  are applied in generation order with `reconfig.execute.migrate`. The time between two
+  calls is the step time the agent reports (the throughput model learns from it).
+- A plan without a migration (the job's first layout, or a restart after state was lost)
+  builds its layout from the newest checkpoint under --save or --load, or from the seed.
+- A worker with a notice sends what the plan asks of it and exits; one a plan does not
+  use waits on standby for a later plan.
+- `finish()`: the worker that ends training records it in etcd, so standby workers and
+  the coordinator exit too.
+
+WORLD is formed on an etcd-backed store under the job's prefix (etcd/store.py), so the
+workers need no address but etcd's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_parcae import checkpointing
+from megatron_parcae.agent import ParcaeAgent
+from megatron_parcae.etcd.client import EtcdClient
+from megatron_parcae.etcd.keys import DoneRecord, JobStore, PlanEnvelope, SchemaError
+from megatron_parcae.etcd.store import EtcdStore
+from reconfig.execute import Runtime, change_report, layout_args, migrate
+from reconfig.layout import Layout, Parallelism
+from reconfig.plan import MigrationPlan
+from reconfig.world import World
+
+STANDBY_POLL_SECONDS = 0.2
+DONE_POLL_SECONDS = 1.0
+
+
+class LiveJobError(RuntimeError):
+    """This worker cannot go on; the message says why (it exits without touching the job)."""
+
+
+class LiveReconfiguration:
+    """Plans from etcd, applied at iteration boundaries (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, vocab_size: int,
+                 runtime_factory: Callable[[argparse.Namespace, int], Runtime], client: EtcdClient) -> None:
+        self.args = args
+        self.store = JobStore(client, args.parcae_job)
+        self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
+                                 args.parcae_lease_seconds)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), backend)
+        self.generation = 0  # the newest plan this worker has applied (or skipped, not being in it)
+        self.samples_per_iteration = args.global_batch_size
+        self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
+        self._last_boundary: float | None = None
+
+    # -- the training loop's calls ---------------------------------------------------
+
+    def start(self) -> tuple[Runtime | None, int]:
+        """Register, then wait for a plan that places this worker (None: the job ended first)."""
+        self.agent.start()
+        self.generation = self.agent.generation
+        return self._standby(None, 0)
+
+    def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
+        """Apply the plans due at this iteration boundary; None: this worker leaves the job."""
+        now = time.perf_counter()
+        if self._last_boundary is not None:
+            self.agent.report_step(consumed_samples // self.samples_per_iteration, now - self._last_boundary,
+                                   consumed_samples)
+        self._check_membership()
+        pending = self.agent.pending_plan()
+        newest = torch.tensor([pending.generation if pending is not None else self.generation], dtype=torch.int64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX)
+        if int(newest) > self.generation:
+            runtime, consumed_samples = self._apply_until(int(newest), runtime, consumed_samples)
+            if runtime is None:
+                return self._standby(None, consumed_samples)
+        self._last_boundary = time.perf_counter()
+        return runtime, consumed_samples
+
+    def finish(self, consumed_samples: int | None) -> None:
+        """Leave the job; with `consumed_samples` (training reached its end) say so in etcd."""
+        try:
+            if consumed_samples is not None and dist.is_initialized() and dist.get_rank() == 0:
+                self.store.mark_done(DoneRecord(self.generation, consumed_samples // self.samples_per_iteration,
+                                                consumed_samples, time.time()))
+        finally:
+            self.agent.stop()
+
+    # -- plans -----------------------------------------------------------------------
+
+    def _check_membership(self) -> None:
+        if self.agent.fenced:
+            raise LiveJobError(f"worker {self.world.worker} lost its membership in job {self.args.parcae_job} "
+                               "(its lease expired or the coordinator dropped it); its state is no longer wanted")
+
+    def _standby(self, runtime: Runtime | None, consumed_samples: int) -> tuple[Runtime | None, int]:
+        """Hold nothing and wait for a plan that places this worker.
+
+        Returns None when this worker got a notice (it has nothing to hand over) or
+        training ended.
+        """
+        next_done_check = 0.0
+        while runtime is None:
+            self._check_membership()
+            if self.agent.notice_received:
+                return None, consumed_samples
+            if time.monotonic() >= next_done_check:
+                if self.store.done() is not None:
+                    return None, consumed_samples
+                next_done_check = time.monotonic() + DONE_POLL_SECONDS
+            pending = self.agent.pending_plan()
+            if pending is None:
+                time.sleep(STANDBY_POLL_SECONDS)
+                continue
+            runtime, consumed_samples = self._apply_until(pending.generation, None, consumed_samples)
+        self._last_boundary = None  # the next step is the first of a new layout: not a measured one
+        return runtime, consumed_samples
+
+    def _apply_until(self, newest: int, runtime: Runtime | None, consumed_samples: int) -> tuple[Runtime | None, int]:
+        for generation in range(self.generation + 1, newest + 1):
+            runtime, consumed_samples = self._apply(self._plan(generation), runtime, consumed_samples)
+            self.generation = generation
+            self.agent.acknowledge(generation)
+        return runtime, consumed_samples
+
+    def _plan(self, generation: int) -> PlanEnvelope:
+        try:
+            envelope = self.store.plan(generation)
+        except SchemaError as exc:
+            raise LiveJobError(f"the plan of generation {generation} is unreadable: {exc}") from None
+        if envelope is None:
+            raise LiveJobError(f"the plan of generation {generation} is gone from etcd (only the newest are kept); "
+                               "this worker fell too far behind")
+        return envelope
+
+    def _apply(self, envelope: PlanEnvelope, runtime: Runtime | None,
+               consumed_samples: int) -> tuple[Runtime | None, int]:
+        layout = Layout.from_dict(envelope.layout)
+        self._check_buildable(envelope.generation, layout.parallelism)
+        if envelope.migration is None:
+            return self._restart(envelope.generation, layout, runtime, consumed_samples)
+        plan = MigrationPlan.from_dict(envelope.migration)
+        me = self.world.worker
+        if plan.request.distributed_optimizer != self.args.use_distributed_optimizer:
+            raise LiveJobError(f"the plan of generation {envelope.generation} is for a job "
+                               f"{'with' if plan.request.distributed_optimizer else 'without'} the distributed "
+                               "optimizer, this run is not (set distributed-optimizer in the coordinator's config "
+                               "as --use-distributed-optimizer is here)")
+        if runtime is not None and me not in plan.request.survivors | plan.request.leaving:
+            raise LiveJobError(f"generation {envelope.generation} counts worker {me} as lost, but it still runs")
+        if runtime is None and me not in plan.new.workers:
+            return None, consumed_samples  # not in this change
+        started = time.perf_counter()
+        runtime, consumed_samples = migrate(plan, envelope.generation, self.world, runtime, self.build,
+                                            consumed_samples)
+        if runtime is not None and dist.get_rank() == 0:
+            print(change_report(plan, consumed_samples // self.samples_per_iteration, started), flush=True)
+        return runtime, consumed_samples
+
+    def _restart(self, generation: int, layout: Layout, runtime: Runtime | None,
+                 consumed_samples: int) -> tuple[Runtime | None, int]:
+        """Build `layout` from the newest checkpoint (or the seed): nothing to migrate from."""
+        started = time.perf_counter()
+        if runtime is not None:
+            runtime.destroy()
+            del runtime
+            gc.collect()
+        if self.world.worker not in layout.workers:
+            self.world.leave()
+            return None, consumed_samples
+        self.world.reform(layout.slots, f"g{generation}")
+        known = torch.tensor([consumed_samples], dtype=torch.int64)
+        dist.all_reduce(known, op=dist.ReduceOp.MAX)
+        runtime = self.build(layout.parallelism)
+        source = next((d for d in (self.args.save, self.args.load)
+                       if d is not None and (Path(d) / checkpointing.TRACKER).is_file()), None)
+        consumed_samples = 0 if source is None else checkpointing.load(source, runtime).consumed_samples
+        if dist.get_rank() == 0:
+            p, gbs = layout.parallelism, self.samples_per_iteration
+            lost = max(0, int(known) - consumed_samples) // gbs
+            print(f" layout change at iteration {consumed_samples // gbs}: restart to tp {p.tp} pp {p.pp} dp {p.dp} "
+                  f"from {source or 'the seed'}, {lost} steps lost, "
+                  f"{(time.perf_counter() - started) * 1000.0:.1f} ms", flush=True)
+        return runtime, consumed_samples
+
+    def _check_buildable(self, generation: int, p: Parallelism) -> None:
+        """Refuse a layout this run's model or batch cannot take (every worker refuses alike)."""
+        a = self.args
+        problems = []
+        if a.num_attention_heads % p.tp or a.ffn_hidden_size % p.tp:
+            problems.append(f"{a.num_attention_heads} heads or ffn size {a.ffn_hidden_size} not divisible by T={p.tp}")
+        if sum(p.stage_layers) != a.num_layers:
+            problems.append(f"its stages hold {sum(p.stage_layers)} layers, the model has {a.num_layers}")
+        if a.global_batch_size % (a.micro_batch_size * p.dp):
+            problems.append(f"global batch {a.global_batch_size} is not divisible by micro-batch "
+                            f"{a.micro_batch_size} x D={p.dp}")
+        if problems:
+            raise LiveJobError(f"the plan of generation {generation} asks for T={p.tp} P={p.pp} D={p.dp}, which this "
+                               f"run cannot train: {'; '.join(problems)} (does the coordinator's profile describe "
+                               "this model and batch?)")
