@@ -1,5 +1,8 @@
 """etcd between the coordinator and the agents: client, local server, key schema, leadership.
 
+`etcd.store.EtcdStore` (torch.distributed's store over etcd) is not imported here: it
+needs torch, which the coordinator and argument parsing do without.
+
 Import this package before anything else imports protobuf: `etcd3`'s generated modules
 need the pure-Python protobuf backend, which `client` selects (see its docstring).
 """
@@ -16,7 +19,6 @@ from megatron_parcae.etcd.client import (
 from megatron_parcae.etcd.keys import JobKeys, JobStore, PlanEnvelope, SchemaError
 from megatron_parcae.etcd.leadership import Leadership, NotLeader
 from megatron_parcae.etcd.server import EtcdNotInstalled, EtcdServer, find_etcd_binary
-from megatron_parcae.etcd.store import EtcdStore
 
 __all__ = [
     "EtcdAuthError",
@@ -24,7 +26,6 @@ __all__ = [
     "EtcdError",
     "EtcdNotInstalled",
     "EtcdServer",
-    "EtcdStore",
     "EtcdUnavailable",
     "JobKeys",
     "JobStore",
