@@ -90,6 +90,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, with --save) once the iteration is a multiple of this")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -248,6 +250,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters}"
            " (which defaults to --train-iters)")
     _check((args.save_interval is None) or args.save_interval > 0, "--save-interval must be positive")
+    _check((args.exit_interval is None) or args.exit_interval > 0, "--exit-interval must be positive")
     _check(args.save_interval is None or args.save is not None, "--save-interval needs --save")
     if args.load is not None:
         _check(Path(args.load).is_dir(), f"--load: no checkpoint directory {args.load}")

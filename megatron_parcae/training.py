@@ -289,6 +289,8 @@ def run_training(args: argparse.Namespace, prog: str) -> int:
                 window_start, window_iters = time.perf_counter(), 0
             if args.save_interval and progress.iteration % args.save_interval == 0:
                 checkpointing.save(args.save, runtime, progress)
+            if args.exit_interval and progress.iteration % args.exit_interval == 0:
+                break
             if hook is not None and progress.iteration < args.train_iters:  # the boundary between two steps
                 runtime, consumed = hook.advance(runtime, progress.consumed_samples)
                 if runtime is None:

@@ -72,9 +72,11 @@ def build_train_dataset(args: argparse.Namespace, tokenizer) -> torch.utils.data
             masking_do_full_word=False, masking_do_permutation=False, masking_use_longer_ngrams=False,
             masking_use_geometric_distribution=False, classification_head=not args.bert_no_binary_head,
             **common)
-    # Independently started workers (--parcae-etcd) build at once; megatron-core writes its
-    # index cache without locking, so one builds while the others wait, then read its cache.
-    lock_dir = Path(args.data_cache_path or Path(args.data_path[0]).parent) if not args.mock_data else None
+    # Independently started workers (--parcae-etcd, no WORLD yet) build at once; megatron-core
+    # writes its index cache without locking, so one builds while the others wait, then read
+    # its cache. (Within a WORLD megatron-core builds on rank 0 behind a barrier itself.)
+    independent = not args.mock_data and not torch.distributed.is_initialized()
+    lock_dir = Path(args.data_cache_path or Path(args.data_path[0]).parent) if independent else None
     with _exclusive(lock_dir / ".parcae-dataset-build.lock" if lock_dir else None):
         train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
     if train is None or len(train) < num_samples:
