@@ -39,8 +39,8 @@ from megatron_parcae.arguments import ArgumentError, parse_args
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+) \|")
 _SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
 _LOADED = re.compile(r"loaded checkpoint .* at iteration (\d+)")
-_CHANGE = re.compile(r"layout change at iteration (\d+): (\w+)(?: migration)? to tp (\d+) pp (\d+) dp (\d+)"
-                     r"(?:.*?(\d+) steps lost)?[^|]*?, ([0-9.]+) ms")
+_CHANGE = re.compile(r"layout change at iteration (\d+) \(generation (\d+)\): (\w+)(?: migration)? to "
+                     r"tp (\d+) pp (\d+) dp (\d+)(?:.*?(\d+) steps lost)?[^|]*?, ([0-9.]+) ms")
 BASELINES = ("checkpoint-restart",)
 # Workers and the coordinator renew leases from background threads; on a machine running
 # more processes than it has cores those threads can stall for seconds.
@@ -95,11 +95,12 @@ class JobLog:
                 self.losses[self.iteration] = self.loss
                 self.progress.append((self.seconds(), self.consumed_samples))
             elif m := _CHANGE.search(line):
-                lost = int(m.group(6) or 0)
+                lost = int(m.group(7) or 0)
                 self.lost_steps += lost
-                self.changes.append({"at_seconds": self.seconds(), "iteration": int(m.group(1)), "kind": m.group(2),
-                                     "layout": [int(m.group(i)) for i in (3, 4, 5)], "seconds": float(m.group(7)) / 1e3,
-                                     "lost_steps": lost})
+                self.changes.append({"at_seconds": self.seconds(), "iteration": int(m.group(1)),
+                                     "generation": int(m.group(2)), "kind": m.group(3),
+                                     "layout": [int(m.group(i)) for i in (4, 5, 6)],
+                                     "seconds": float(m.group(8)) / 1e3, "lost_steps": lost})
             elif m := _SAVED.search(line):
                 self.saved_iteration = int(m.group(1))
             elif m := _LOADED.search(line):
@@ -291,7 +292,7 @@ class CheckpointRestartJob:
                str(self.save_interval), *resume]
         args = parse_args(self.args, prog="replay", model=self.model, world_size=world)
         self.log.changes.append({"at_seconds": self.log.seconds(), "iteration": self.log.saved_iteration,
-                                 "kind": "restart", "layout": [args.tensor_model_parallel_size,
+                                 "generation": self._restarts + 1, "kind": "restart", "layout": [args.tensor_model_parallel_size,
                                                                args.pipeline_model_parallel_size, args.data_parallel_size],
                                  "seconds": None, "lost_steps": 0})
         self._restarts += 1

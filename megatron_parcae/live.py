@@ -169,7 +169,8 @@ class LiveReconfiguration:
         runtime, consumed_samples = migrate(plan, envelope.generation, self.world, runtime, self.build,
                                             consumed_samples)
         if runtime is not None and dist.get_rank() == 0:
-            print(change_report(plan, consumed_samples // self.samples_per_iteration, started), flush=True)
+            print(change_report(plan, envelope.generation, consumed_samples // self.samples_per_iteration, started),
+                  flush=True)
         return runtime, consumed_samples
 
     def _restart(self, generation: int, layout: Layout, runtime: Runtime | None,
@@ -193,7 +194,8 @@ class LiveReconfiguration:
         if dist.get_rank() == 0:
             p, gbs = layout.parallelism, self.samples_per_iteration
             lost = max(0, int(known) - consumed_samples) // gbs
-            print(f" layout change at iteration {consumed_samples // gbs}: restart to tp {p.tp} pp {p.pp} dp {p.dp} "
+            print(f" layout change at iteration {consumed_samples // gbs} (generation {generation}): restart to "
+                  f"tp {p.tp} pp {p.pp} dp {p.dp} "
                   f"from {source or 'the seed'}, {lost} steps lost, "
                   f"{(time.perf_counter() - started) * 1000.0:.1f} ms", flush=True)
         return runtime, consumed_samples

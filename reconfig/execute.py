@@ -329,10 +329,11 @@ def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
                       param_bytes_per_param=2 if half else 4, optimizer_bytes_per_param=12 if half else 8)
 
 
-def change_report(plan: MigrationPlan, iteration: int, started: float) -> str:
+def change_report(plan: MigrationPlan, generation: int, iteration: int, started: float) -> str:
     """The log line of an applied migration (rank 0 prints it; the spot emulator reads it)."""
     p = plan.new.parallelism
-    return (f" layout change at iteration {iteration}: {plan.kind} migration to tp {p.tp} pp {p.pp} dp {p.dp}, "
+    return (f" layout change at iteration {iteration} (generation {generation}): {plan.kind} migration to "
+            f"tp {p.tp} pp {p.pp} dp {p.dp}, "
             f"{plan.bytes_total()} bytes planned, {(time.perf_counter() - started) * 1000.0:.1f} ms, "
             f"{live_process_groups()} process groups")
 
@@ -379,7 +380,7 @@ class ScheduledReconfiguration:
         started = time.perf_counter()
         new, consumed_samples = self._run(due, runtime)
         if new is not None and dist.get_rank() == 0:
-            print(change_report(due.plan, iteration, started), flush=True)
+            print(change_report(due.plan, due.generation, iteration, started), flush=True)
         if new is not None or self.world.worker in due.plan.request.leaving:
             return new, consumed_samples
         return self._join_after(due.generation)

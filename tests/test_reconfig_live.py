@@ -15,7 +15,7 @@ from megatron_parcae.arguments import ArgumentError, parse_args
 from megatron_parcae.layout_schedule import LayoutChange, parse_layout_schedule
 
 ITERS = 12
-_CHANGE = re.compile(r"layout change at iteration (\d+): (\S+) migration to tp (\d+) pp (\d+) dp (\d+), .*?"
+_CHANGE = re.compile(r"layout change at iteration (\d+) \(generation \d+\): (\S+) migration to tp (\d+) pp (\d+) dp (\d+), .*?"
                      r"(\d+) process groups")
 
 

@@ -1,0 +1,115 @@
+"""Workers, coordinator and etcd as separate real processes: the coordinator is killed
+mid-run and started again, while a worker gets a notice and another arrives."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from launch import assert_close, losses, torchrun
+
+_CHANGE = re.compile(r"layout change at iteration (\d+) \(generation (\d+)\): (\w+)")
+_LOSS = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|")
+ITERS = 40
+TRAIN = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def live_job(etcd_server, client, tmp_path):
+    from megatron_parcae.etcd import JobStore
+
+    job = f"live-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "coordinator.yaml"
+    config.write_text(f"profile: {REPO / 'configs/profiles/gpt-tiny-cpu.json'}\ninterval-seconds: 2\n"
+                      "lookahead: 4\ngrace-seconds: 20\nlease-seconds: 2\nmax-workers: 4\nmin-workers: 2\n")
+    processes: list[subprocess.Popen] = []
+
+    def coordinator(name: str) -> subprocess.Popen:
+        p = _start([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", etcd_server.endpoint,
+                    "--job", job, "--config", str(config)], tmp_path / f"coordinator-{name}.log")
+        processes.append(p)
+        return p
+
+    def worker(worker_id: int) -> subprocess.Popen:
+        p = _start([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae", "--parcae-etcd",
+                    etcd_server.endpoint, "--parcae-job", job, "--parcae-worker-id", str(worker_id),
+                    "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5"], tmp_path / f"worker-{worker_id}.log")
+        processes.append(p)
+        return p
+
+    yield JobStore(client, job), coordinator, worker, tmp_path
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, tiny_data):
+    store, coordinator, worker, logs = live_job
+    first = coordinator("a")
+    workers = {w: worker(w) for w in (0, 1)}
+
+    def iteration() -> int:
+        return max((r.iteration for r in store.step_reports().values()), default=0)
+
+    _wait_for(lambda: iteration() >= 5, 180, "5 iterations under the first coordinator")
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    generation_at_kill = store.current_generation()
+    workers[1].send_signal(signal.SIGTERM)  # a notice, and an arrival, while no coordinator runs
+    workers[2] = worker(2)
+    at_kill = iteration()
+    _wait_for(lambda: iteration() >= at_kill + 3, 60, "training to go on without a coordinator")
+    assert store.current_generation() == generation_at_kill
+
+    second = coordinator("b")
+    assert second.wait(timeout=300) == 0, (logs / "coordinator-b.log").read_text()[-3000:]
+    for w, p in workers.items():
+        assert p.wait(timeout=60) == 0, (logs / f"worker-{w}.log").read_text()[-3000:]
+
+    # The second coordinator went on from etcd: generations continue without a gap,
+    # and it published what the notice and the arrival asked for.
+    plans = store.plans()
+    assert sorted(plans) == list(range(1, max(plans) + 1)) and max(plans) > generation_at_kill
+    assert 1 not in {w for g in plans if g > generation_at_kill for w in plans[g].layout["slots"]}
+    assert store.done() is not None and store.done().iteration == ITERS
+
+    # Each plan was applied once: its layout change is logged once, by the new rank 0
+    # (the newest may come too late to apply before training ends).
+    text = "".join((logs / f"worker-{w}.log").read_text() for w in workers)
+    applied = [int(g) for _, g, _ in _CHANGE.findall(text)]
+    assert sorted(applied) == sorted(set(applied)), applied
+    assert generation_at_kill + 1 in applied and max(applied) <= max(plans)
+
+    # Every iteration once, and the same model as without any of this.
+    trained = [int(i) for i, _ in _LOSS.findall(text)]
+    assert sorted(trained) == list(range(1, ITERS + 1))
+    live = {int(i): float(v) for i, v in _LOSS.findall(text)}
+    assert_close(live, losses(torchrun("pretrain_gpt.py", 1, TRAIN)))
