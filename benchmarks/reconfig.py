@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from reconfig.execute import CHANGE_REPORT
+
 REPO = Path(__file__).resolve().parents[1]
 
 BASE = ["--config", "configs/gpt-tiny.yaml", "--log-interval", "1"]
@@ -44,8 +46,6 @@ BARS = {"intra-stage": 10.0, "pipeline": 3.0}
 PLAN_LIMIT_S = 1.0
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-_CHANGE = re.compile(r"layout change at iteration (\d+): (\S+) migration to tp (\d+) pp (\d+) dp (\d+), "
-                     r"(\d+) bytes planned, ([0-9.]+) ms")
 _SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
 
 
@@ -164,17 +164,17 @@ def run_migrations(run: MigrationRun) -> list[Migration]:
                              run.schedule])
     job = follow(proc)
     step_ms = {int(m.group(1)): float(m.group(2)) for m in job.all(_ITERATION)}
-    changes = job.all(_CHANGE)
+    changes = job.all(CHANGE_REPORT)
     if job.returncode != 0 or len(changes) != len(run.names):
         raise RunFailed(f"schedule {run.schedule!r}: exit {job.returncode}, {len(changes)} of {len(run.names)} "
                         f"changes logged:\n{job.tail()}")
     out = []
     for name, m in zip(run.names, changes):
-        at = int(m.group(1))
+        at = int(m["iteration"])
         if at not in step_ms or at + 1 not in step_ms:
             raise RunFailed(f"schedule {run.schedule!r}: iterations {at}, {at + 1} not both logged:\n{job.tail()}")
-        out.append(Migration(name, m.group(2), (int(m.group(3)), int(m.group(4)), int(m.group(5))),
-                             int(m.group(6)), float(m.group(7)), step_ms[at], step_ms[at + 1]))
+        out.append(Migration(name, m["kind"], (int(m["tp"]), int(m["pp"]), int(m["dp"])),
+                             int(m["bytes"]), float(m["ms"]), step_ms[at], step_ms[at + 1]))
     return out
 
 

@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from megatron_parcae.arguments import ArgumentError, parse_args
+from reconfig.execute import CHANGE_REPORT
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+) \|")
 _SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
 _LOADED = re.compile(r"loaded checkpoint .* at iteration (\d+)")
-_CHANGE = re.compile(r"layout change at iteration (\d+) \(generation (\d+)\): (\w+)(?: migration)? to "
-                     r"tp (\d+) pp (\d+) dp (\d+)(?:.*?(\d+) steps lost)?[^|]*?, ([0-9.]+) ms")
 BASELINES = ("checkpoint-restart",)
 # Workers and the coordinator renew leases from background threads; on a machine running
 # more processes than it has cores those threads can stall for seconds.
@@ -94,13 +93,13 @@ class JobLog:
                 self.loss = float(m.group(3))
                 self.losses[self.iteration] = self.loss
                 self.progress.append((self.seconds(), self.consumed_samples))
-            elif m := _CHANGE.search(line):
-                lost = int(m.group(7) or 0)
+            elif m := CHANGE_REPORT.search(line):
+                lost = int(m["lost_steps"] or 0)
                 self.lost_steps += lost
-                self.changes.append({"at_seconds": self.seconds(), "iteration": int(m.group(1)),
-                                     "generation": int(m.group(2)), "kind": m.group(3),
-                                     "layout": [int(m.group(i)) for i in (4, 5, 6)],
-                                     "seconds": float(m.group(8)) / 1e3, "lost_steps": lost})
+                self.changes.append({"at_seconds": self.seconds(), "iteration": int(m["iteration"]),
+                                     "generation": int(m["generation"]), "kind": m["kind"],
+                                     "layout": [int(m[k]) for k in ("tp", "pp", "dp")],
+                                     "seconds": float(m["ms"]) / 1e3, "lost_steps": lost})
             elif m := _SAVED.search(line):
                 self.saved_iteration = int(m.group(1))
             elif m := _LOADED.search(line):

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Protocol
 
+import psutil
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -329,13 +331,26 @@ def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
                       param_bytes_per_param=2 if half else 4, optimizer_bytes_per_param=12 if half else 8)
 
 
+def resident_mib() -> float:
+    """This process's resident memory (for leak checks across layout changes)."""
+    return psutil.Process().memory_info().rss / 2**20
+
+
+# What `change_report` and the live restart line say, for the emulator, tests and benchmarks.
+CHANGE_REPORT = re.compile(
+    r"layout change at iteration (?P<iteration>\d+) \(generation (?P<generation>\d+)\): (?P<kind>[\w-]+)"
+    r"(?: migration)? to tp (?P<tp>\d+) pp (?P<pp>\d+) dp (?P<dp>\d+)"
+    r"(?:, (?P<bytes>\d+) bytes planned)?(?:.*?(?P<lost_steps>\d+) steps lost)?[^|]*?, (?P<ms>[0-9.]+) ms"
+    r"(?:, (?P<groups>\d+) process groups, (?P<mib>\d+) MiB resident)?")
+
+
 def change_report(plan: MigrationPlan, generation: int, iteration: int, started: float) -> str:
     """The log line of an applied migration (rank 0 prints it; the spot emulator reads it)."""
     p = plan.new.parallelism
     return (f" layout change at iteration {iteration} (generation {generation}): {plan.kind} migration to "
             f"tp {p.tp} pp {p.pp} dp {p.dp}, "
             f"{plan.bytes_total()} bytes planned, {(time.perf_counter() - started) * 1000.0:.1f} ms, "
-            f"{live_process_groups()} process groups")
+            f"{live_process_groups()} process groups, {resident_mib():.0f} MiB resident")
 
 
 class ScheduledReconfiguration:

@@ -105,6 +105,12 @@ def wait_generation(store: JobStore, generation: int) -> Layout:
     return Layout.from_dict(store.plan(generation).layout)
 
 
+def decision(store: JobStore, generation: int) -> dict:
+    """The coordinator's record of why it published `generation` (saved just after the plan)."""
+    wait_for(lambda: read_state(store).decisions[-1]["generation"] >= generation, WAIT_S, f"decision {generation}")
+    return read_state(store).decisions[-1]
+
+
 def migration(store: JobStore, generation: int) -> MigrationPlan:
     return MigrationPlan.from_dict(store.plan(generation).migration)
 
@@ -178,7 +184,7 @@ def test_arrival_grows_the_layout_once_the_current_one_is_applied(job):
         assert grown.workers == {0, 1, 2, 3}
         plan = migration(store, 2)
         assert plan.request.joining == {3} and plan.request.survivors == {0, 1, 2}
-        assert "workers [3] join" in read_state(store).decisions[-1]["reason"]
+        assert "workers [3] join" in decision(store, 2)["reason"]
 
 
 def test_lost_worker_and_restarted_process_are_dropped(job):
@@ -199,7 +205,7 @@ def test_lost_worker_and_restarted_process_are_dropped(job):
         workers[1].vanish()
         workers[1] = Worker(store, 1, pid=4242)
         wait_for(lambda: store.current_generation() >= 3, WAIT_S, "a generation without the old worker 1")
-        assert "lost workers [1]" in read_state(store).decisions[-1]["reason"]
+        assert "lost workers [1]" in decision(store, 3)["reason"]
         plan = store.plan(3).migration  # None: layers were lost, the job resumes from a checkpoint
         assert plan is None or 1 not in MigrationPlan.from_dict(plan).request.survivors
 

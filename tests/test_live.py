@@ -16,8 +16,8 @@ import pytest
 
 from conftest import REPO
 from launch import assert_close, losses, torchrun
+from reconfig.execute import CHANGE_REPORT
 
-_CHANGE = re.compile(r"layout change at iteration (\d+) \(generation (\d+)\): (\w+)")
 _LOSS = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|")
 ITERS = 40
 TRAIN = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
@@ -104,7 +104,7 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, tiny_data
     # Each plan was applied once: its layout change is logged once, by the new rank 0
     # (the newest may come too late to apply before training ends).
     text = "".join((logs / f"worker-{w}.log").read_text() for w in workers)
-    applied = [int(g) for _, g, _ in _CHANGE.findall(text)]
+    applied = [int(m["generation"]) for m in CHANGE_REPORT.finditer(text)]
     assert sorted(applied) == sorted(set(applied)), applied
     assert generation_at_kill + 1 in applied and max(applied) <= max(plans)
 

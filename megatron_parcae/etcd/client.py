@@ -242,6 +242,8 @@ class EtcdClient:
             if user is not None:
                 self._authenticate()
             self.server_version = self._call("status", self._maintenance.Status, etcdrpc.StatusRequest()).version
+            if user is None and (tls is None or tls.cert is None):
+                self._check_anonymous_access()
         except BaseException:
             self._channel.close()
             raise
@@ -271,7 +273,8 @@ class EtcdClient:
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 details = f"no answer within {self.timeout:g} s"
             return EtcdUnavailable(f"{where} failed: {details}; {hint}")
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or "authentication" in details or "auth token" in details:
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or any(
+                s in details for s in ("authentication", "auth token", "user name is empty")):
             hint = "check the etcd user and password" if self._user else "the server requires a user and password"
             return EtcdAuthError(f"{where} refused: {details}; {hint}")
         if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
@@ -288,6 +291,11 @@ class EtcdClient:
                 error = EtcdAuthError(f"etcd at {self.endpoint} has authentication disabled but a user was given: {exc.details()}")
             raise error from None
         self._metadata = (("token", token),)
+
+    def _check_anonymous_access(self) -> None:
+        """One read without credentials: a server with authentication on refuses it here,
+        at connect, instead of at the caller's first use (status needs no credentials)."""
+        self._call("read", self._kv.Range, etcdrpc.RangeRequest(key=b"/", count_only=True))
 
     def _call(self, what: str, method, request):
         """Run one unary RPC with the deadline; re-authenticate once if the token expired."""
