@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from reconfig.execute import CHANGE_REPORT
 
@@ -106,40 +107,31 @@ def launch(nproc: int, args: list[str]) -> subprocess.Popen:
                             bufsize=1)
 
 
-def children(pid: int) -> list[int]:
-    """Direct children of `pid` (torchrun starts each worker in a session of its own)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def kill_job(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and its workers, as a preemption would, and wait until all are gone."""
     if proc.poll() is not None:
         return  # ended (and reaped): its pid may belong to another process by now
-    workers = children(proc.pid)
-    for pid in [proc.pid, *workers]:
+    try:
+        torchrun = psutil.Process(proc.pid)
+        workers = torchrun.children()
+    except psutil.NoSuchProcess:
+        torchrun, workers = None, []
+    for p in [torchrun, *workers]:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            if p is not None:
+                p.kill()
+        except psutil.NoSuchProcess:
             pass
     proc.wait()
-    while any(_alive(pid) for pid in workers):
+    while any(_alive(w) for w in workers):
         time.sleep(0.005)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def follow(proc: subprocess.Popen, stop: re.Pattern[str] | None = None) -> Job:
