@@ -35,7 +35,7 @@ from pathlib import Path
 
 import psutil
 
-from reconfig.execute import CHANGE_REPORT
+from reconfig.report import CHANGE_REPORT
 
 REPO = Path(__file__).resolve().parents[1]
 

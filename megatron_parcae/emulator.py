@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from megatron_parcae.arguments import ArgumentError, parse_args
-from reconfig.execute import CHANGE_REPORT
+from reconfig.report import CHANGE_REPORT
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+) \|")
 _SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
@@ -71,6 +71,7 @@ def replay_steps(trace, speedup: float) -> list[ReplayStep]:
 class JobLog:
     """What the job's processes have printed so far (fed from several reader threads)."""
 
+    # Before `started`: importing the pattern can take seconds, which are no job's time.
     started: float = field(default_factory=time.monotonic)
     iteration: int = 0
     consumed_samples: int = 0
@@ -157,6 +158,8 @@ class _Process:
         self._reader.join(timeout=5)
 
     def tail(self, lines: int = 5) -> str:
+        """The last lines of the log of this process, which has exited."""
+        self._reader.join(timeout=2)  # its last lines may still be in the pipe
         text = self.log_file.read_text(errors="replace").strip().splitlines()
         return "\n".join(text[-lines:])
 

@@ -41,6 +41,7 @@ from megatron_parcae.etcd.store import EtcdStore
 from reconfig.execute import Runtime, change_report, layout_args, migrate
 from reconfig.layout import Layout, Parallelism
 from reconfig.plan import MigrationPlan
+from reconfig.report import restart_line
 from reconfig.world import World
 
 STANDBY_POLL_SECONDS = 0.2
@@ -192,12 +193,9 @@ class LiveReconfiguration:
                        if d is not None and (Path(d) / checkpointing.TRACKER).is_file()), None)
         consumed_samples = 0 if source is None else checkpointing.load(source, runtime).consumed_samples
         if dist.get_rank() == 0:
-            p, gbs = layout.parallelism, self.samples_per_iteration
-            lost = max(0, int(known) - consumed_samples) // gbs
-            print(f" layout change at iteration {consumed_samples // gbs} (generation {generation}): restart to "
-                  f"tp {p.tp} pp {p.pp} dp {p.dp} "
-                  f"from {source or 'the seed'}, {lost} steps lost, "
-                  f"{(time.perf_counter() - started) * 1000.0:.1f} ms", flush=True)
+            gbs = self.samples_per_iteration
+            print(restart_line(generation, consumed_samples // gbs, layout.parallelism, source or "the seed",
+                               max(0, int(known) - consumed_samples) // gbs, time.perf_counter() - started), flush=True)
         return runtime, consumed_samples
 
     def _check_buildable(self, generation: int, p: Parallelism) -> None:

@@ -18,6 +18,16 @@ def pretrain(model: str, argv: list[str] | None = None) -> int:
         args = parse_args(argv, prog=prog, model=model)
     except ArgumentError as exc:
         exit_on_argument_error(prog, exc)
+    client = None
+    if args.parcae_etcd is not None:  # before torch loads: a wrong endpoint or password fails in seconds
+        from megatron_parcae.etcd import EtcdError
+        from megatron_parcae.etcd.options import connect
+
+        try:
+            client = connect(args, prefix="parcae-")
+        except (ValueError, EtcdError) as exc:
+            print(f"{prog}: error: --parcae-etcd {args.parcae_etcd}: {exc}", file=sys.stderr, flush=True)
+            return 1
     from megatron_parcae.training import run_training
 
-    return run_training(args, prog)
+    return run_training(args, prog, client)

@@ -32,6 +32,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_parcae.cpu import enable_cpu_support
+from megatron_parcae.etcd.client import EtcdClient
 from megatron_parcae.data.datasets import build_tokenizer, build_train_dataset, rank_micro_batches, step_iterator
 from megatron_parcae.live import LiveJobError, LiveReconfiguration
 from megatron_parcae.models import build_model_chunk, padded_vocab_size, transformer_config, wrap_for_training
@@ -230,22 +231,14 @@ def _fail(prog: str, message: str, code: int) -> int:
     return code
 
 
-def run_training(args: argparse.Namespace, prog: str) -> int:
+def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None = None) -> int:
     """Train as `args` say; the arguments were validated before any process group exists.
 
-    Without --parcae the layout is fixed. With --parcae-layout-schedule or --parcae-etcd
-    a reconfiguration hook owns WORLD: it gives the loop the runtime to train with at
-    every iteration boundary, and the samples the job has consumed.
+    Without --parcae the layout is fixed. With --parcae-layout-schedule, or with `client`
+    (connected to --parcae-etcd), a reconfiguration hook owns WORLD: it gives the loop the
+    runtime to train with at every iteration boundary, and the samples the job has consumed.
     """
-    client = None
-    if args.parcae_etcd is not None:
-        from megatron_parcae.etcd import EtcdError
-        from megatron_parcae.etcd.options import connect
-
-        try:
-            client = connect(args, prefix="parcae-")
-        except (ValueError, EtcdError) as exc:
-            return _fail(prog, f"--parcae-etcd {args.parcae_etcd}: {exc}", 1)
+    if client is not None:
         prepare_device()
     else:
         initialize_distributed()

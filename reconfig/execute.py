@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from megatron_parcae.optimizer_state import (
     step_count,
 )
 from reconfig.layout import ModelShape, Parallelism
+from reconfig.report import migration_line
 from reconfig.plan import OPTIMIZER, PARAMS, PARAMS_AND_OPTIMIZER, MigrationPlan, Range, Transfer
 from reconfig.tensors import ParamShard, param_shards, unwrap
 from reconfig.world import World, live_process_groups
@@ -336,21 +336,10 @@ def resident_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-# What `change_report` and the live restart line say, for the emulator, tests and benchmarks.
-CHANGE_REPORT = re.compile(
-    r"layout change at iteration (?P<iteration>\d+) \(generation (?P<generation>\d+)\): (?P<kind>[\w-]+)"
-    r"(?: migration)? to tp (?P<tp>\d+) pp (?P<pp>\d+) dp (?P<dp>\d+)"
-    r"(?:, (?P<bytes>\d+) bytes planned)?(?:.*?(?P<lost_steps>\d+) steps lost)?[^|]*?, (?P<ms>[0-9.]+) ms"
-    r"(?:, (?P<groups>\d+) process groups, (?P<mib>\d+) MiB resident)?")
-
-
 def change_report(plan: MigrationPlan, generation: int, iteration: int, started: float) -> str:
     """The log line of an applied migration (rank 0 prints it; the spot emulator reads it)."""
-    p = plan.new.parallelism
-    return (f" layout change at iteration {iteration} (generation {generation}): {plan.kind} migration to "
-            f"tp {p.tp} pp {p.pp} dp {p.dp}, "
-            f"{plan.bytes_total()} bytes planned, {(time.perf_counter() - started) * 1000.0:.1f} ms, "
-            f"{live_process_groups()} process groups, {resident_mib():.0f} MiB resident")
+    return migration_line(plan.kind, generation, iteration, plan.new.parallelism, plan.bytes_total(),
+                          time.perf_counter() - started, live_process_groups(), resident_mib())
 
 
 class ScheduledReconfiguration:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,43 @@ def client(etcd_server):
 
     with EtcdClient(etcd_server.endpoint, timeout=3) as c:
         yield c
+
+
+def _enable_auth(ctl: list[str]) -> None:
+    """User root with password right-password, then authentication on (etcdctl `ctl`)."""
+    for args in (["user", "add", "root:right-password"], ["auth", "enable"]):
+        subprocess.run(ctl + args, check=True, capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="session")
+def auth_server():
+    """etcd with authentication on (plain HTTP): user root, password right-password."""
+    from megatron_parcae.etcd import EtcdServer, find_etcd_binary
+
+    with EtcdServer() as server:
+        _enable_auth([find_etcd_binary("etcdctl"), f"--endpoints=http://{server.endpoint}"])
+        yield server
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def secure_server(tmp_path_factory):
+    """etcd with TLS (client certificates required) and authentication on (root / right-password)."""
+    from megatron_parcae.etcd import EtcdServer, TLSFiles, find_etcd_binary
+
+    d = tmp_path_factory.mktemp("pki")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=parcae-test-ca", cwd=d)
+    for name in ("server", "client"):
+        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
+    client_tls = TLSFiles(str(d / "ca.pem"), str(d / "client.pem"), str(d / "client.key"))
+    with EtcdServer(tls=TLSFiles(str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key"))) as server:
+        _enable_auth([find_etcd_binary("etcdctl"), f"--endpoints=https://{server.endpoint}", f"--cacert={client_tls.ca}",
+                      f"--cert={client_tls.cert}", f"--key={client_tls.key}"])
+        yield server, client_tls

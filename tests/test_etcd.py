@@ -32,8 +32,6 @@ from megatron_parcae.etcd import (
     NotLeader,
     PlanEnvelope,
     SchemaError,
-    TLSFiles,
-    find_etcd_binary,
 )
 from megatron_parcae.etcd.keys import MemberRecord, NoticeRecord, StepReport
 from reconfig.layout import Layout, ModelShape, Parallelism
@@ -343,30 +341,6 @@ def test_silent_endpoint_times_out_with_a_clear_error():
 def test_bad_endpoint_syntax(endpoint):
     with pytest.raises(ValueError, match="HOST:PORT"):
         EtcdClient(endpoint)
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def secure_server(tmp_path_factory):
-    """etcd with TLS (client certificates required) and authentication enabled."""
-    d = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=parcae-test-ca", cwd=d)
-    for name in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
-    client_tls = TLSFiles(str(d / "ca.pem"), str(d / "client.pem"), str(d / "client.key"))
-    with EtcdServer(tls=TLSFiles(str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key"))) as server:
-        ctl = [find_etcd_binary("etcdctl"), f"--endpoints=https://{server.endpoint}", f"--cacert={client_tls.ca}",
-               f"--cert={client_tls.cert}", f"--key={client_tls.key}"]
-        for args in (["user", "add", "root:right-password"], ["auth", "enable"]):
-            subprocess.run(ctl + args, check=True, capture_output=True, timeout=30)
-        yield server, client_tls
 
 
 def test_tls_and_password_work(secure_server):

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import REPO
 from launch import assert_close, losses, torchrun
-from reconfig.execute import CHANGE_REPORT
+from reconfig.report import CHANGE_REPORT
 
 _LOSS = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|")
 ITERS = 40

@@ -13,7 +13,7 @@ import pytest
 from launch import SMALL_GPT, assert_close, layout_flags, losses, torchrun
 from megatron_parcae.arguments import ArgumentError, parse_args
 from megatron_parcae.layout_schedule import LayoutChange, parse_layout_schedule
-from reconfig.execute import CHANGE_REPORT
+from reconfig.report import CHANGE_REPORT
 
 ITERS = 12
 
