@@ -7,6 +7,7 @@ found after the first collective would hang the other ranks instead of failing.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -147,6 +148,8 @@ def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict[str, An
 
 def _coerce(action: argparse.Action, key: str, value: Any, path: str) -> Any:
     where = f"--config: key {key!r} in {path}"
+    if value is None:  # `key:` with nothing after it: as if the key were absent
+        return action.default
     if isinstance(action, argparse._StoreTrueAction):
         if not isinstance(value, bool):
             raise ArgumentError(f"{where} must be true or false")
@@ -156,7 +159,15 @@ def _coerce(action: argparse.Action, key: str, value: Any, path: str) -> Any:
         raise ArgumentError(f"{where} takes one value, not a list")
     out = []
     for v in values:
-        if action.type is not None and v is not None:
+        if v is None:
+            raise ArgumentError(f"{where}: a list item is empty")
+        if action.type is None:  # a text flag: a YAML number reads as its text, nothing else does
+            if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+                raise ArgumentError(f"{where}: {v!r} is not text")
+            v = str(v)
+        else:
+            if isinstance(v, bool):
+                raise ArgumentError(f"{where}: {v!r} is not a valid {action.type.__name__}")
             try:
                 v = action.type(v) if not (action.type is int and isinstance(v, float)) else _int_exact(v)
             except (TypeError, ValueError):
@@ -242,6 +253,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check(args.global_batch_size % (args.micro_batch_size * D) == 0,
            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
            f"{args.micro_batch_size} x data-parallel size {D}")
+    for flag in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "init_method_std"):
+        value = getattr(args, flag)
+        _check(math.isfinite(value) and value >= 0, f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    for flag in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
+        value = getattr(args, flag)
+        _check(0 <= value < 1, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
     _check(not (args.bf16 and args.fp16), "--bf16 and --fp16 exclude each other")
     _check(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     if args.lr_decay_iters is None:

@@ -6,11 +6,14 @@ configs' data (the Python documentation).
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import REPO
 from launch import SMALL_GPT, assert_close, layout_flags, losses, torchrun, write_tracker
@@ -89,3 +92,29 @@ def test_tiny_configs_learn_in_50_iterations(tiny_data, script, config):
                                       *layout_flags(1, 2)]))
     first, last = run[min(run)], run[max(run)]
     assert last < 0.8 * first, (first, last)
+
+
+_FLAG_NAMES = ["num-layers", "hidden-size", "num-attention-heads", "micro-batch-size", "global-batch-size",
+               "tensor-model-parallel-size", "lr", "lr-decay-style", "bf16", "data-path", "seed", "parcae",
+               "parcae-etcd", "parcae-worker-id", "save-interval", "no-such-flag"]
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True),
+                    st.text(max_size=12), st.lists(st.integers(-2, 64), max_size=3))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(st.sampled_from(_FLAG_NAMES), _VALUES, max_size=6) | _VALUES)
+def test_config_loader_gives_only_clear_errors(tiny_data, tmp_path_factory, loaded):
+    """Any YAML document over the tiny config either parses or fails with an ArgumentError."""
+    import yaml
+
+    from megatron_parcae.arguments import ArgumentError, parse_args
+
+    config = tmp_path_factory.mktemp("fuzz") / "config.yaml"
+    base = yaml.safe_load((REPO / "configs" / "gpt-tiny.yaml").read_text())
+    config.write_text(yaml.safe_dump({**base, **loaded} if isinstance(loaded, dict) else loaded))
+    try:
+        args = parse_args(["--config", str(config)], prog="fuzz", model="gpt", world_size=1)
+    except ArgumentError as exc:
+        assert str(exc) and "\n" not in str(exc)
+        return
+    assert math.isfinite(args.lr) and args.num_layers % args.pipeline_model_parallel_size == 0
