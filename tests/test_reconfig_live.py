@@ -97,3 +97,18 @@ def test_schedule_needs_parcae(tiny_data):
     with pytest.raises(ArgumentError, match="needs --parcae"):
         parse_args(["--config", "configs/gpt-tiny.yaml", "--parcae-layout-schedule", "3:1,1,1"],
                    prog="pretrain_gpt.py", model="gpt", world_size=1)
+
+
+def test_bert_changes_train_the_same_model(tiny_data):
+    """BERT (`encoder.layers`, random masking) with the distributed optimizer: replicas
+    leave (their optimizer shards move: not intra-stage), the pipeline deepens as two
+    workers join, then T changes."""
+    small = ["--config", "configs/bert-tiny.yaml", "--hidden-size", "64", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+             "--train-iters", "8", "--log-interval", "1"]
+    run = torchrun("pretrain_bert.py", 6, small + layout_flags(1, 2) + [
+        "--use-distributed-optimizer", "--parcae", "--parcae-layout-schedule", "2:1,2,1:leave=1,3;4:1,4,1:join=2;6:2,1,2"],
+        timeout=300)
+    kinds = [(int(m["iteration"]), m["kind"]) for m in CHANGE_REPORT.finditer(run.stdout)]
+    assert kinds == [(2, "inter-stage"), (4, "pipeline"), (6, "tensor")], kinds
+    assert_close(losses(run), losses(torchrun("pretrain_bert.py", 1, small)))
