@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from conftest import REPO
 from launch import assert_close, losses, torchrun
+from test_etcd import wait_for
 from reconfig.report import CHANGE_REPORT
 
 _LOSS = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|")
@@ -29,16 +29,6 @@ def _env() -> dict[str, str]:
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def _wait_for(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture
@@ -79,14 +69,14 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, tiny_data
     def iteration() -> int:
         return max((r.iteration for r in store.step_reports().values()), default=0)
 
-    _wait_for(lambda: iteration() >= 5, 180, "5 iterations under the first coordinator")
+    wait_for(lambda: iteration() >= 5, 180, "5 iterations under the first coordinator")
     first.send_signal(signal.SIGKILL)
     first.wait()
     generation_at_kill = store.current_generation()
     workers[1].send_signal(signal.SIGTERM)  # a notice, and an arrival, while no coordinator runs
     workers[2] = worker(2)
     at_kill = iteration()
-    _wait_for(lambda: iteration() >= at_kill + 3, 60, "training to go on without a coordinator")
+    wait_for(lambda: iteration() >= at_kill + 3, 60, "training to go on without a coordinator")
     assert store.current_generation() == generation_at_kill
 
     second = coordinator("b")

@@ -102,12 +102,12 @@ def test_schedule_needs_parcae(tiny_data):
 def test_bert_changes_train_the_same_model(tiny_data):
     """BERT (`encoder.layers`, random masking) with the distributed optimizer: replicas
     leave (their optimizer shards move: not intra-stage), the pipeline deepens as two
-    workers join, then T changes."""
+    workers join, then T changes (T=2, P=2)."""
     small = ["--config", "configs/bert-tiny.yaml", "--hidden-size", "64", "--seq-length", "32",
              "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
              "--train-iters", "8", "--log-interval", "1"]
     run = torchrun("pretrain_bert.py", 6, small + layout_flags(1, 2) + [
-        "--use-distributed-optimizer", "--parcae", "--parcae-layout-schedule", "2:1,2,1:leave=1,3;4:1,4,1:join=2;6:2,1,2"],
+        "--use-distributed-optimizer", "--parcae", "--parcae-layout-schedule", "2:1,2,1:leave=1,3;4:1,4,1:join=2;6:2,2,1"],
         timeout=300)
     kinds = [(int(m["iteration"]), m["kind"]) for m in CHANGE_REPORT.finditer(run.stdout)]
     assert kinds == [(2, "inter-stage"), (4, "pipeline"), (6, "tensor")], kinds

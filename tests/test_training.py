@@ -35,16 +35,6 @@ def test_layouts_train_the_same_model(reference, layout, distributed_optimizer):
     assert_close(losses(run), reference)
 
 
-def test_bert_layouts_train_the_same_model(tiny_data):
-    """BERT too: its blocks are `encoder.layers`, and its samples draw random tokens."""
-    small = ["--config", "configs/bert-tiny.yaml", "--hidden-size", "64", "--seq-length", "32",
-             "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-             "--train-iters", "5", "--log-interval", "1"]
-    single = losses(torchrun("pretrain_bert.py", 1, small))
-    assert_close(losses(torchrun("pretrain_bert.py", 4, small + layout_flags(2, 2))), single)
-    assert_close(losses(torchrun("pretrain_bert.py", 4, small + layout_flags(1, 2) + ["--use-distributed-optimizer"])), single)
-
-
 @pytest.mark.parametrize("resume_layout", [(1, 2, 1), (2, 1, 2)], ids=["same-layout", "other-layout"])
 def test_resume_continues_exactly(tiny_data, tmp_path, resume_layout):
     save = tmp_path / "ckpt"
