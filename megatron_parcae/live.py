@@ -25,7 +25,6 @@ workers need no address but etcd's.
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ from megatron_parcae.agent import ParcaeAgent
 from megatron_parcae.etcd.client import EtcdClient
 from megatron_parcae.etcd.keys import DoneRecord, JobStore, PlanEnvelope, SchemaError
 from megatron_parcae.etcd.store import EtcdStore
-from reconfig.execute import Runtime, change_report, layout_args, migrate
+from reconfig.execute import Runtime, change_report, layout_args, migrate, release_runtime
 from reconfig.layout import Layout, Parallelism
 from reconfig.plan import MigrationPlan
 from reconfig.report import restart_line
@@ -179,9 +178,8 @@ class LiveReconfiguration:
         """Build `layout` from the newest checkpoint (or the seed): nothing to migrate from."""
         started = time.perf_counter()
         if runtime is not None:
-            runtime.destroy()
-            del runtime
-            gc.collect()
+            release_runtime(runtime)
+            runtime = None
         if self.world.worker not in layout.workers:
             self.world.leave()
             return None, consumed_samples

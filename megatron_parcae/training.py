@@ -32,8 +32,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_parcae.cpu import enable_cpu_support
-from megatron_parcae.etcd.client import EtcdClient
 from megatron_parcae.data.datasets import build_tokenizer, build_train_dataset, rank_micro_batches, step_iterator
+from megatron_parcae.etcd.client import EtcdClient
 from megatron_parcae.live import LiveJobError, LiveReconfiguration
 from megatron_parcae.models import build_model_chunk, padded_vocab_size, transformer_config, wrap_for_training
 from reconfig.execute import ScheduledReconfiguration

@@ -256,6 +256,12 @@ def _own(like: torch.Tensor, shard: ParamShard, tp_rank: int, tp_size: int, own_
     return mask
 
 
+def release_runtime(runtime: Runtime) -> None:
+    """Drop a layout's megatron-core objects and groups, and free its memory now."""
+    runtime.destroy()
+    gc.collect()  # DDP hooks keep the old model in reference cycles
+
+
 def export_held_state(runtime: Runtime) -> HeldState:
     """This worker's state before its layout is dropped (collective over the old DP group)."""
     states = export_param_states(runtime.model, runtime.optimizer)
@@ -277,9 +283,8 @@ def migrate(plan: MigrationPlan, generation: int, world: World, runtime: Runtime
     """
     held = export_held_state(runtime) if runtime is not None else None
     if runtime is not None:
-        runtime.destroy()
-        del runtime
-        gc.collect()  # DDP hooks keep the old model in reference cycles
+        release_runtime(runtime)
+        runtime = None
     new_slots = plan.new.slots
     senders = sorted({t.src for t in plan.transfers} - set(new_slots))
     members = tuple(new_slots) + tuple(senders)
