@@ -41,6 +41,16 @@ def client(etcd_server):
         yield c
 
 
+@pytest.fixture
+def own_etcd():
+    """A fresh etcd and a client of it, for a test that restarts the server: a failure
+    there cannot take the shared server down with it."""
+    from megatron_parcae.etcd import EtcdClient, EtcdServer
+
+    with EtcdServer() as server, EtcdClient(server.endpoint, timeout=3) as client:
+        yield server, client
+
+
 def _enable_auth(ctl: list[str]) -> None:
     """User root with password right-password, then authentication on (etcdctl `ctl`)."""
     for args in (["user", "add", "root:right-password"], ["auth", "enable"]):

@@ -120,12 +120,18 @@ def test_start_outside_the_main_thread_is_refused(client):
     assert "main thread" in str(errors[0].value)
 
 
-def test_agent_survives_an_etcd_restart(job_agent, etcd_server):
-    agent, store = job_agent
-    etcd_server.restart()
-    assert store.publish_plan(envelope(1, [3]))
-    assert wait_for(agent.pending_plan, 10, "the plan published after the restart").generation == 1
-    assert not agent.fenced and 3 in store.members()
+def test_agent_survives_an_etcd_restart(own_etcd):
+    server, client = own_etcd
+    store = JobStore(client, new_job())
+    agent = ParcaeAgent(client, store.keys.job, worker_id=3, grace_seconds=GRACE_S, lease_seconds=LEASE_S)
+    agent.start()
+    try:
+        server.restart()
+        assert store.publish_plan(envelope(1, [3]))
+        assert wait_for(agent.pending_plan, 10, "the plan published after the restart").generation == 1
+        assert not agent.fenced and 3 in store.members()
+    finally:
+        agent.stop()
 
 
 WORKER = """

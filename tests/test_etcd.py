@@ -375,12 +375,13 @@ def test_missing_credentials_and_missing_tls_are_clear_errors(secure_server, etc
 # -- local server ----------------------------------------------------------------------------
 
 
-def test_server_restart_keeps_data_and_clients_reconnect(client, etcd_server):
+def test_server_restart_keeps_data_and_clients_reconnect(own_etcd):
+    server, client = own_etcd
     store = JobStore(client, new_job())
     assert store.publish_plan(envelope(1, [0]))
-    old_pid = etcd_server.pid
-    etcd_server.restart()
-    assert etcd_server.pid != old_pid
+    old_pid = server.pid
+    server.restart()
+    assert server.pid != old_pid
     assert store.current_generation() == 1  # the same client, after the restart
 
 

@@ -118,11 +118,24 @@ class EtcdServer:
         raise AssertionError("unreachable")
 
     def restart(self) -> None:
-        """Stop and start again on the same ports and data: clients see an etcd restart."""
+        """Stop and start again on the same ports and data: clients see an etcd restart.
+
+        While the server is down, another socket may take its port for a moment (a client
+        retrying the closed loopback port can connect to itself), so a taken port is
+        retried until the startup timeout.
+        """
         if self._process is None:
             raise EtcdError("the local etcd server is not running")
         self._terminate()
-        self._launch()
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            try:
+                self._launch()
+                return
+            except EtcdError:
+                if time.monotonic() > deadline or "address already in use" not in self._log_tail():
+                    raise
+                time.sleep(0.2)
 
     def stop(self) -> None:
         """Stop the server and delete its data directory."""
