@@ -106,8 +106,11 @@ class ParcaeAgent:
         try:
             self._current = self._register(self._lease.id)
         except BaseException:
-            self._lease.revoke()
-            self._lease = None
+            lease, self._lease = self._lease, None
+            try:
+                lease.revoke()
+            except EtcdError:
+                pass  # it expires on its own
             raise
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._thread = threading.Thread(target=self._run, name=f"parcae-agent {self.worker_id}", daemon=True)
@@ -161,6 +164,20 @@ class ParcaeAgent:
                 raise AgentError(f"cannot acknowledge generation {generation}: this process already runs {self._current}")
             self._current = generation
             self._member = dataclasses.replace(self._member, generation=generation)
+            self._member_dirty = True
+        self._wake.set()
+
+    def report_broken(self, generation: int, state_kept: bool) -> None:
+        """Record that the WORLD of `generation` failed under this process (published in the
+        background), and that no plan up to `generation` is pending any more: the
+        coordinator answers with a newer one. `state_kept`: this process still holds its
+        state of that generation's layout (it failed while training, not mid-change)."""
+        with self._lock:
+            if generation < self._current:
+                raise AgentError(f"cannot report generation {generation} broken: this process runs {self._current}")
+            self._current = generation
+            self._member = dataclasses.replace(self._member, generation=generation, broken=generation,
+                                               state_kept=state_kept)
             self._member_dirty = True
         self._wake.set()
 

@@ -70,7 +70,8 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-grace-seconds", type=float, default=30.0, metavar="SECONDS",
                    help="with --parcae-etcd: time between SIGTERM (preemption notice) and SIGKILL (default 30)")
     g.add_argument("--parcae-lease-seconds", type=float, default=10.0, metavar="SECONDS",
-                   help="with --parcae-etcd: a process silent this long counts as lost (default 10)")
+                   help="with --parcae-etcd: a process silent this long counts as lost, and a collective "
+                        "waiting this long for a peer fails (default 10; above the longest wait within a step)")
     add_etcd_arguments(p, prefix="parcae-", required=False)
 
 

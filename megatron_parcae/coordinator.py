@@ -17,6 +17,11 @@ Rules it keeps:
 - A change the membership forces (a notice, a lost worker) is published at once. A
   change the optimizer merely prefers (growth, a better shape) waits until every worker
   of the current layout has acknowledged it, so plans are applied one at a time.
+- Workers whose WORLD broke (a peer died without notice or stalled) say so in their
+  member record. Once every live worker of the layout has, the next plan moves their
+  state in place without the lost ones, or re-forms the same layout if none was lost;
+  if any of them lost its state (it broke mid-change) or a layer lost every replica,
+  the job resumes from its last checkpoint.
 - A worker whose member record changed process (it died and came back under the same
   id) lost its state: it counts as lost, and joins again later as a new worker. Workers
   dropped as lost that still hold a member key (a notice whose deadline passed) are
@@ -282,6 +287,8 @@ class MemberView:
     leaving: frozenset[int]  # in the layout, under a notice whose deadline has not passed
     lost: frozenset[int]  # in the layout, and neither available nor leaving
     restarted: frozenset[int]  # in the layout, but their member key belongs to a new process
+    broken: frozenset[int]  # in the layout and available, but the layout's WORLD broke under them
+    state_kept: bool  # every broken worker still holds its state of the layout
 
 
 class Coordinator:
@@ -452,7 +459,8 @@ class Coordinator:
 
     # -- deciding ------------------------------------------------------------------
 
-    def _view(self, current: Layout | None, members: dict[int, MemberRecord], now: float) -> MemberView:
+    def _view(self, generation: int, current: Layout | None, members: dict[int, MemberRecord],
+              now: float) -> MemberView:
         notices = {w: n for w, n in self._store.notices().items() if w in members}
         in_layout = current.workers if current is not None else frozenset()
         restarted = frozenset(w for w in in_layout & frozenset(members)
@@ -460,7 +468,9 @@ class Coordinator:
         expired = frozenset(w for w, n in notices.items() if n.deadline <= now)
         available = frozenset(members) - frozenset(notices) - restarted
         leaving = (frozenset(notices) - expired - restarted) & in_layout
-        return MemberView(available, leaving, in_layout - available - leaving, restarted)
+        broken = frozenset(w for w in in_layout & available if members[w].broken == generation)
+        return MemberView(available, leaving, in_layout - available - leaving, restarted, broken,
+                          all(members[w].state_kept for w in broken))
 
     def _reconcile(self) -> None:
         """Read the job's state once and publish the next generation if it must change."""
@@ -477,11 +487,21 @@ class Coordinator:
             raise SchemaError(self._store.keys.plan(generation), "the current generation has no plan")
         current = None if envelope is None else Layout.from_dict(envelope.layout)
         members = self._store.members()
-        view = self._view(current, members, now)
+        view = self._view(generation, current, members, now)
         boundary = self._close_intervals(view.available, now)
         if current is None and len(view.available) < self._config.min_workers:
             self._warn_once(f"waiting for {self._config.min_workers} workers before the first plan "
                             f"({len(view.available)} registered)")
+        elif current is not None and view.broken:
+            # Live workers that have not failed yet soon will (their next collective has a
+            # failed peer); one that never does is dead, and its lease ends.
+            if not (current.workers & view.available) - view.broken:
+                decision = self._recovery(current, view)
+                if decision.layout is None:
+                    self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")
+                else:
+                    self._publish(generation + 1, decision, current, view, members)
+                    return
         else:
             forced = current is not None and bool(view.lost or view.leaving)
             settled = current is None or all(members[w].generation >= generation
@@ -496,6 +516,15 @@ class Coordinator:
                     return
         if boundary:
             self._save()
+
+    def _recovery(self, current: Layout, view: MemberView) -> Decision:
+        """The plan after the current layout's WORLD broke (every live worker of it reported)."""
+        if not view.state_kept:
+            return self._optimizer.decide(None, view.available, self._forecast)  # from the last checkpoint
+        decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving)
+        if decision.layout == current:
+            return self._optimizer.rebuild(current)
+        return decision
 
     def _publish(self, generation: int, decision: Decision, current: Layout | None, view: MemberView,
                  members: dict[int, MemberRecord]) -> None:
@@ -528,6 +557,9 @@ class Coordinator:
         if current is None:
             return f"start on {len(layout.workers)} of {len(view.available)} workers"
         parts = []
+        if view.broken:
+            parts.append(f"WORLD broke under workers {_ids(view.broken)}"
+                         f"{'' if view.state_kept else ', some mid-change'}")
         if view.leaving:
             parts.append(f"notice from workers {_ids(view.leaving)}")
         if view.lost:

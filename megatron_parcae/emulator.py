@@ -80,6 +80,7 @@ class JobLog:
     lost_steps: int = 0
     losses: dict[int, float] = field(default_factory=dict)
     progress: list[tuple[float, int]] = field(default_factory=list)  # (seconds, consumed samples)
+    trained: list[tuple[int, int]] = field(default_factory=list)  # (iteration, consumed samples), as logged
     changes: list[dict] = field(default_factory=list)  # layout changes the workers reported
     events: list[dict] = field(default_factory=list)  # what the emulator did: preempt, arrive
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -94,6 +95,7 @@ class JobLog:
                 self.loss = float(m.group(3))
                 self.losses[self.iteration] = self.loss
                 self.progress.append((self.seconds(), self.consumed_samples))
+                self.trained.append((self.iteration, self.consumed_samples))
             elif m := CHANGE_REPORT.search(line):
                 lost = int(m["lost_steps"] or 0)
                 self.lost_steps += lost
@@ -208,17 +210,43 @@ class ParcaeJob:
         config = {"profile": str(profile.resolve()), "interval-seconds": interval_seconds, "lookahead": 8,
                   "grace-seconds": grace_seconds, "lease-seconds": LEASE_SECONDS, "max-workers": max_instances,
                   "min-workers": 1, "distributed-optimizer": "--use-distributed-optimizer" in command_args}
-        config_path = workdir / "coordinator.yaml"
-        config_path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+        self._config_path = workdir / "coordinator.yaml"
+        self._config_path.write_text(json.dumps(config, indent=1))  # JSON is YAML
+        self._coordinators = 0
+        self.start_coordinator()
+
+    def start_coordinator(self) -> None:
+        """Start `parcae coordinator` (again: it goes on from what etcd holds)."""
+        self._coordinators += 1
         self._coordinator = _Process(
             [sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", self._server.endpoint,
-             "--job", self.job, "--config", str(config_path)], JobLog(), workdir / "coordinator.log", _child_env())
+             "--job", self.job, "--config", str(self._config_path)], JobLog(),
+            self.workdir / f"coordinator-{self._coordinators}.log", _child_env())
 
-    def _alive(self) -> list[int]:
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator (it holds nothing that etcd does not)."""
+        self._coordinator.preempted = True
+        self._coordinator.kill()
+
+    def kill_worker(self, worker: int) -> None:
+        """SIGKILL a worker without notice: an instance lost without warning."""
+        self._workers[worker].preempted = True
+        self._workers[worker].kill()
+
+    def restart_etcd(self) -> None:
+        """Stop etcd and start it again on the same data (every client reconnects)."""
+        self._server.restart()
+
+    @property
+    def endpoint(self) -> str:
+        """The job's etcd, HOST:PORT."""
+        return self._server.endpoint
+
+    def alive(self) -> list[int]:
         return sorted(w for w, p in self._workers.items() if not p.preempted and p.popen.poll() is None)
 
     def resize(self, count: int) -> None:
-        alive = self._alive()
+        alive = self.alive()
         if count < len(alive):
             for worker in self._rng.sample(alive, len(alive) - count):
                 self._workers[worker].preempt(self.grace_seconds)
@@ -231,7 +259,7 @@ class ParcaeJob:
 
     def _start_worker(self) -> None:
         worker, self._next_id = self._next_id, self._next_id + 1
-        self.log.event(f"start worker {worker}", len(self._alive()) + 1)
+        self.log.event(f"start worker {worker}", len(self.alive()) + 1)
         cmd = [sys.executable, self.script, *self.args, "--parcae", "--parcae-etcd", self._server.endpoint,
                "--parcae-job", self.job, "--parcae-worker-id", str(worker),
                "--parcae-grace-seconds", str(self.grace_seconds), "--parcae-lease-seconds", str(LEASE_SECONDS)]
@@ -245,7 +273,7 @@ class ParcaeJob:
             if code not in (None, 0) and not p.preempted:
                 raise ReplayError(f"worker {worker} exited with {code} (log {p.log_file}):\n{p.tail()}")
         code = self._coordinator.popen.poll()
-        if code not in (None, 0):
+        if code not in (None, 0) and not self._coordinator.preempted:
             raise ReplayError(f"the coordinator exited with {code}:\n{self._coordinator.tail()}")
         return code == 0
 
@@ -494,7 +522,7 @@ def _training_command(args: argparse.Namespace) -> tuple[str, list[str], str]:
 _MARKER = ".parcae-replay"
 
 
-def _fresh_workdir(path: Path) -> None:
+def fresh_workdir(path: Path) -> None:
     """Empty `path` for a new replay (a baseline must not resume an earlier replay's
     checkpoints); only a folder an earlier replay made is emptied."""
     if path.exists():
@@ -537,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
     for mode, make_job in runs:
         workdir = args.workdir / mode
         try:
-            _fresh_workdir(workdir)
+            fresh_workdir(workdir)
         except ValueError as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2

@@ -15,6 +15,13 @@ notice and delivers the coordinator's plans; this module applies them:
   builds its layout from the newest checkpoint under --save or --load, or from the seed.
 - A worker with a notice sends what the plan asks of it and exits; one a plan does not
   use waits on standby for a later plan.
+- `recover()`: a collective failed because a peer died without notice or stalled (every
+  collective times out after one lease period). This worker leaves WORLD, so that peers
+  blocked on it fail at once, tells the coordinator (`broken` in its member record) and
+  waits for the next plan. Its state is whole at its last applied step (the training step
+  makes no collective after its update), so that plan can be an in-place migration
+  without the lost peer. A failure while a plan is applied drops the state instead; the
+  coordinator then resumes the job from its last checkpoint.
 - `finish()`: the worker that ends training records it in etcd, so standby workers and
   the coordinator exit too.
 
@@ -27,28 +34,51 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from megatron_parcae import checkpointing
 from megatron_parcae.agent import ParcaeAgent
-from megatron_parcae.etcd.client import EtcdClient
+from megatron_parcae.etcd.client import EtcdClient, EtcdUnavailable
 from megatron_parcae.etcd.keys import DoneRecord, JobStore, PlanEnvelope, SchemaError
 from megatron_parcae.etcd.store import EtcdStore
-from reconfig.execute import Runtime, change_report, layout_args, migrate, release_runtime
+from reconfig.execute import (
+    HeldState,
+    MigrationError,
+    Runtime,
+    change_report,
+    export_held_state,
+    hand_over,
+    layout_args,
+    migrate,
+    release_runtime,
+)
 from reconfig.layout import Layout, Parallelism
 from reconfig.plan import MigrationPlan
 from reconfig.report import restart_line
-from reconfig.world import World
+from reconfig.world import World, is_peer_failure
 
 STANDBY_POLL_SECONDS = 0.2
 DONE_POLL_SECONDS = 1.0
+ETCD_OUTAGE_SECONDS = 60.0  # how long the training loop waits out an unreachable etcd (a restart)
+T = TypeVar("T")
 
 
 class LiveJobError(RuntimeError):
     """This worker cannot go on; the message says why (it exits without touching the job)."""
+
+
+def collective_timeout(args: argparse.Namespace) -> timedelta:
+    """How long a collective waits for a peer before the peer counts as failed: one lease
+    period in a job that `parcae coordinator` drives (a process silent that long is lost
+    anyway), megatron-core's default of 30 minutes otherwise."""
+    if getattr(args, "parcae_etcd", None):
+        return timedelta(seconds=args.parcae_lease_seconds)
+    return timedelta(minutes=30)
 
 
 class LiveReconfiguration:
@@ -61,8 +91,10 @@ class LiveReconfiguration:
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
                                  args.parcae_lease_seconds)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), backend)
-        self.generation = 0  # the newest plan this worker has applied (or skipped, not being in it)
+        self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), backend,
+                           collective_timeout=collective_timeout(args), superseded=self._superseded)
+        self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
+        self._applying = 0  # the plan being applied, while one is
         self.samples_per_iteration = args.global_batch_size
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
@@ -71,9 +103,9 @@ class LiveReconfiguration:
 
     def start(self) -> tuple[Runtime | None, int]:
         """Register, then wait for a plan that places this worker (None: the job ended first)."""
-        self.agent.start()
+        self._etcd("register in the job", self.agent.start)
         self.generation = self.agent.generation
-        return self._standby(None, 0)
+        return self._await_plan(None, 0)
 
     def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
         """Apply the plans due at this iteration boundary; None: this worker leaves the job."""
@@ -88,59 +120,110 @@ class LiveReconfiguration:
         if int(newest) > self.generation:
             runtime, consumed_samples = self._apply_until(int(newest), runtime, consumed_samples)
             if runtime is None:
-                return self._standby(None, consumed_samples)
+                return self._await_plan(None, consumed_samples)
         self._last_boundary = time.perf_counter()
         return runtime, consumed_samples
+
+    def recover(self, runtime: Runtime, consumed_samples: int, error: BaseException) -> tuple[Runtime | None, int]:
+        """A collective of the running layout failed (a peer died or stalled): report it,
+        keep this worker's state and apply the coordinator's next plan."""
+        self._check_membership()
+        # With the plain optimizer this rank's state is local and whole at its last applied
+        # step; the distributed optimizer would need its (broken) data-parallel group.
+        held = None if self.args.use_distributed_optimizer else export_held_state(runtime)
+        release_runtime(runtime)
+        self._report_broken(self.generation, consumed_samples, error, state_kept=held is not None)
+        return self._await_plan(held, consumed_samples)
 
     def finish(self, consumed_samples: int | None) -> None:
         """Leave the job; with `consumed_samples` (training reached its end) say so in etcd."""
         try:
             if consumed_samples is not None and dist.is_initialized() and dist.get_rank() == 0:
-                self.store.mark_done(DoneRecord(self.generation, consumed_samples // self.samples_per_iteration,
-                                                consumed_samples, time.time()))
+                done = DoneRecord(self.generation, consumed_samples // self.samples_per_iteration, consumed_samples,
+                                  time.time())
+                self._etcd("record the end of training", lambda: self.store.mark_done(done))
         finally:
             self.agent.stop()
 
     # -- plans -----------------------------------------------------------------------
+
+    def _etcd(self, what: str, call: Callable[[], T]) -> T:
+        """`call`, retried while etcd is unreachable (it restarts); LiveJobError after
+        ETCD_OUTAGE_SECONDS. The agent keeps the lease meanwhile, on its own threads."""
+        deadline = time.monotonic() + ETCD_OUTAGE_SECONDS
+        while True:
+            try:
+                return call()
+            except EtcdUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise LiveJobError(f"could not {what} for {ETCD_OUTAGE_SECONDS:g} s: {exc}") from None
+                time.sleep(STANDBY_POLL_SECONDS)
 
     def _check_membership(self) -> None:
         if self.agent.fenced:
             raise LiveJobError(f"worker {self.world.worker} lost its membership in job {self.args.parcae_job} "
                                "(its lease expired or the coordinator dropped it); its state is no longer wanted")
 
-    def _standby(self, runtime: Runtime | None, consumed_samples: int) -> tuple[Runtime | None, int]:
-        """Hold nothing and wait for a plan that places this worker.
+    def _superseded(self) -> bool:
+        """Whether a wait on peers for the plan being applied is in vain: a newer plan came
+        (a peer was lost meanwhile) or this worker was fenced."""
+        pending = self.agent.pending_plan()
+        return self.agent.fenced or (pending is not None and pending.generation > self._applying)
 
-        Returns None when this worker got a notice (it has nothing to hand over) or
-        training ended.
-        """
+    def _report_broken(self, generation: int, consumed_samples: int, error: BaseException, state_kept: bool) -> None:
+        self.world.leave()  # peers blocked on this worker fail now rather than at their timeout
+        self.agent.report_broken(generation, state_kept)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        print(f" worker {self.world.worker}: generation {generation} broke at iteration "
+              f"{consumed_samples // self.samples_per_iteration} ({reason}); "
+              f"{'keeping its state' if state_kept else 'its state is gone'}, waiting for the next plan", flush=True)
+
+    def _await_plan(self, state: HeldState | None, consumed_samples: int) -> tuple[Runtime | None, int]:
+        """Wait for the next plan and apply it, then, left without a slot, for one that
+        places this worker. `state`: what it kept of a layout that broke. None: a notice
+        came while it held nothing, or training ended."""
+        runtime: Runtime | HeldState | None = state
         next_done_check = 0.0
-        while runtime is None:
+        while True:
             self._check_membership()
-            if self.agent.notice_received:
+            if runtime is None and self.agent.notice_received:
                 return None, consumed_samples
             if time.monotonic() >= next_done_check:
-                if self.store.done() is not None:
+                if self._etcd("read whether training ended", self.store.done) is not None:
                     return None, consumed_samples
                 next_done_check = time.monotonic() + DONE_POLL_SECONDS
             pending = self.agent.pending_plan()
             if pending is None:
                 time.sleep(STANDBY_POLL_SECONDS)
                 continue
-            runtime, consumed_samples = self._apply_until(pending.generation, None, consumed_samples)
-        self._last_boundary = None  # the next step is the first of a new layout: not a measured one
-        return runtime, consumed_samples
+            runtime, consumed_samples = self._apply_until(pending.generation, runtime, consumed_samples)
+            if runtime is not None and not isinstance(runtime, HeldState):
+                self._last_boundary = None  # the next step is the first of a new layout: not a measured one
+                return runtime, consumed_samples
 
-    def _apply_until(self, newest: int, runtime: Runtime | None, consumed_samples: int) -> tuple[Runtime | None, int]:
+    def _apply_until(self, newest: int, runtime: Runtime | HeldState | None,
+                     consumed_samples: int) -> tuple[Runtime | None, int]:
+        """Apply the plans up to `newest` in order (`runtime` is a HeldState only after a
+        failure); a failure on the way is reported and leaves this worker with nothing."""
         for generation in range(self.generation + 1, newest + 1):
-            runtime, consumed_samples = self._apply(self._plan(generation), runtime, consumed_samples)
+            self._applying = generation
+            try:
+                runtime, consumed_samples = self._apply(self._plan(generation), runtime, consumed_samples)
+            except RuntimeError as exc:
+                if isinstance(exc, LiveJobError) or not (isinstance(exc, MigrationError) or is_peer_failure(exc)):
+                    raise
+                if runtime is not None and not isinstance(runtime, HeldState):
+                    release_runtime(runtime)  # already done unless the failure came first
+                self.generation = generation
+                self._report_broken(generation, consumed_samples, exc, state_kept=False)
+                return None, consumed_samples
             self.generation = generation
             self.agent.acknowledge(generation)
         return runtime, consumed_samples
 
     def _plan(self, generation: int) -> PlanEnvelope:
         try:
-            envelope = self.store.plan(generation)
+            envelope = self._etcd(f"read the plan of generation {generation}", lambda: self.store.plan(generation))
         except SchemaError as exc:
             raise LiveJobError(f"the plan of generation {generation} is unreadable: {exc}") from None
         if envelope is None:
@@ -148,7 +231,7 @@ class LiveReconfiguration:
                                "this worker fell too far behind")
         return envelope
 
-    def _apply(self, envelope: PlanEnvelope, runtime: Runtime | None,
+    def _apply(self, envelope: PlanEnvelope, runtime: Runtime | HeldState | None,
                consumed_samples: int) -> tuple[Runtime | None, int]:
         layout = Layout.from_dict(envelope.layout)
         self._check_buildable(envelope.generation, layout.parallelism)
@@ -166,20 +249,20 @@ class LiveReconfiguration:
         if runtime is None and me not in plan.new.workers:
             return None, consumed_samples  # not in this change
         started = time.perf_counter()
-        runtime, consumed_samples = migrate(plan, envelope.generation, self.world, runtime, self.build,
+        held = runtime if runtime is None or isinstance(runtime, HeldState) else hand_over(runtime)
+        runtime, consumed_samples = migrate(plan, envelope.generation, self.world, held, self.build,
                                             consumed_samples)
         if runtime is not None and dist.get_rank() == 0:
             print(change_report(plan, envelope.generation, consumed_samples // self.samples_per_iteration, started),
                   flush=True)
         return runtime, consumed_samples
 
-    def _restart(self, generation: int, layout: Layout, runtime: Runtime | None,
+    def _restart(self, generation: int, layout: Layout, runtime: Runtime | HeldState | None,
                  consumed_samples: int) -> tuple[Runtime | None, int]:
         """Build `layout` from the newest checkpoint (or the seed): nothing to migrate from."""
         started = time.perf_counter()
-        if runtime is not None:
+        if runtime is not None and not isinstance(runtime, HeldState):
             release_runtime(runtime)
-            runtime = None
         if self.world.worker not in layout.workers:
             self.world.leave()
             return None, consumed_samples
@@ -189,7 +272,12 @@ class LiveReconfiguration:
         runtime = self.build(layout.parallelism)
         source = next((d for d in (self.args.save, self.args.load)
                        if d is not None and (Path(d) / checkpointing.TRACKER).is_file()), None)
-        consumed_samples = 0 if source is None else checkpointing.load(source, runtime).consumed_samples
+        try:
+            self.world.sync(f"g{generation}/built")
+            consumed_samples = 0 if source is None else checkpointing.load(source, runtime).consumed_samples
+        except BaseException:
+            release_runtime(runtime)  # its groups would block the next layout's
+            raise
         if dist.get_rank() == 0:
             gbs = self.samples_per_iteration
             print(restart_line(generation, consumed_samples // gbs, layout.parallelism, source or "the seed",

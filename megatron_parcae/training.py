@@ -34,11 +34,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_parcae.cpu import enable_cpu_support
 from megatron_parcae.data.datasets import build_tokenizer, build_train_dataset, rank_micro_batches, step_iterator
 from megatron_parcae.etcd.client import EtcdClient
-from megatron_parcae.live import LiveJobError, LiveReconfiguration
+from megatron_parcae.live import LiveJobError, LiveReconfiguration, collective_timeout
 from megatron_parcae.models import build_model_chunk, padded_vocab_size, transformer_config, wrap_for_training
 from reconfig.execute import ScheduledReconfiguration
 from reconfig.tensors import unwrap
-from reconfig.world import release_parallel_state
+from reconfig.world import is_peer_failure, release_parallel_state
 
 
 @dataclass
@@ -109,6 +109,7 @@ class LayoutRuntime:
         ps.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            distributed_timeout_minutes=collective_timeout(args).total_seconds() / 60,
         )
         model_parallel_cuda_manual_seed(args.seed)
         self.dp_rank = ps.get_data_parallel_rank()
@@ -162,9 +163,11 @@ class LayoutRuntime:
             forward_only=False,
         )
         learning_rate = self.optimizer.param_groups[0]["lr"]
+        # Every collective of the step before the update (the plain optimizer's step then
+        # makes none after it): a rank that fails in one has not changed its state.
+        losses = _global_mean_losses(outputs, total) if report else {}
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=args.global_batch_size)
-        losses = _global_mean_losses(outputs, total) if report else {}
         return StepResult(losses=losses, grad_norm=float(grad_norm or 0.0),
                           learning_rate=learning_rate, seconds=time.perf_counter() - start)
 
@@ -271,24 +274,30 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
         window_start, window_iters = time.perf_counter(), 0
         while progress.iteration < args.train_iters:
             report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
-            result = runtime.train_step(dataset, progress, report)
-            progress.iteration += 1
-            progress.consumed_samples += args.global_batch_size
-            window_iters += 1
-            if report:
-                elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
-                if dist.get_rank() == 0:
-                    print(format_log_line(args, progress, result, elapsed_ms), flush=True)
-                window_start, window_iters = time.perf_counter(), 0
-            if args.save_interval and progress.iteration % args.save_interval == 0:
-                checkpointing.save(args.save, runtime, progress)
-            if args.exit_interval and progress.iteration % args.exit_interval == 0:
-                break
-            if hook is not None and progress.iteration < args.train_iters:  # the boundary between two steps
-                runtime, consumed = hook.advance(runtime, progress.consumed_samples)
-                if runtime is None:
-                    return 0  # left the job
-                progress = Progress(consumed // args.global_batch_size, consumed)
+            try:
+                result = runtime.train_step(dataset, progress, report)
+                progress.iteration += 1  # the step is applied: what fails from here on keeps it
+                progress.consumed_samples += args.global_batch_size
+                window_iters += 1
+                if report:
+                    elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
+                    if dist.get_rank() == 0:
+                        print(format_log_line(args, progress, result, elapsed_ms), flush=True)
+                    window_start, window_iters = time.perf_counter(), 0
+                if args.save_interval and progress.iteration % args.save_interval == 0:
+                    checkpointing.save(args.save, runtime, progress)
+                if args.exit_interval and progress.iteration % args.exit_interval == 0:
+                    break
+                if hook is None or progress.iteration == args.train_iters:
+                    continue
+                runtime, consumed = hook.advance(runtime, progress.consumed_samples)  # the boundary between steps
+            except RuntimeError as exc:
+                if not isinstance(hook, LiveReconfiguration) or not is_peer_failure(exc):
+                    raise
+                runtime, consumed = hook.recover(runtime, progress.consumed_samples, exc)
+            if runtime is None:
+                return 0  # left the job
+            progress = Progress(consumed // args.global_batch_size, consumed)
         if args.save and (not args.save_interval or progress.iteration % args.save_interval):
             checkpointing.save(args.save, runtime, progress)
         runtime.destroy()

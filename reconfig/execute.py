@@ -271,20 +271,40 @@ def export_held_state(runtime: Runtime) -> HeldState:
                      step_count(runtime.optimizer))
 
 
-def migrate(plan: MigrationPlan, generation: int, world: World, runtime: Runtime | None,
+def _agree_on_progress(held: HeldState | None, consumed_samples: int) -> tuple[int, int]:
+    """Adam's step count and the samples consumed, which joining workers learn from those
+    who hold state. Holders must agree: after a peer died mid-step, one survivor may have
+    applied the step and another not, and their states cannot be combined."""
+    low = -(2**62)
+    mine = [held.step, -held.step, consumed_samples, -consumed_samples] if held else [low] * 4
+    agreed = torch.tensor(mine, dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    step, consumed = int(agreed[0]), int(agreed[2])
+    if step != -int(agreed[1]) or consumed != -int(agreed[3]):
+        raise MigrationError(f"the workers holding state are at different steps (Adam step {-int(agreed[1])} to "
+                             f"{step}, consumed samples {-int(agreed[3])} to {consumed}): a peer failed while "
+                             "some had applied a step and others had not")
+    return step, consumed
+
+
+def hand_over(runtime: Runtime) -> HeldState:
+    """Take this worker's state out of its layout, then drop the layout."""
+    held = export_held_state(runtime)
+    release_runtime(runtime)
+    return held
+
+
+def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState | None,
             build: RuntimeFactory, consumed_samples: int) -> tuple[Runtime | None, int]:
     """Move this worker to `plan.new`; returns its new runtime (None: it has no slot) and
     the job's consumed samples.
 
-    Called by every worker of the old layout still running and every worker the plan
-    places, with the same plan and generation. `runtime` is None for a worker that holds
-    nothing (joining); its `consumed_samples` (0 if it knows none) is replaced by the
-    newest any participant knows, which also sets the LR scheduler's position.
+    Called by every worker of the old layout still running, with the state it took out
+    of it (`hand_over`), and every worker the plan places, with the same plan and
+    generation. `held` is None for a worker that holds nothing (joining); its
+    `consumed_samples` is replaced by what the holders agree on, which also sets the LR
+    scheduler's position.
     """
-    held = export_held_state(runtime) if runtime is not None else None
-    if runtime is not None:
-        release_runtime(runtime)
-        runtime = None
     new_slots = plan.new.slots
     senders = sorted({t.src for t in plan.transfers} - set(new_slots))
     members = tuple(new_slots) + tuple(senders)
@@ -293,10 +313,7 @@ def migrate(plan: MigrationPlan, generation: int, world: World, runtime: Runtime
         return None, consumed_samples
     if world.members != members:
         world.reform(members, f"g{generation}")
-    # Joining workers learn Adam's step count and the samples consumed from those who hold state.
-    progress = torch.tensor([held.step if held else 0, consumed_samples], dtype=torch.int64)
-    dist.all_reduce(progress, op=dist.ReduceOp.MAX)
-    step, consumed_samples = int(progress[0]), int(progress[1])
+    step, consumed_samples = _agree_on_progress(held, consumed_samples)
     received = _exchange(plan, world, held)
     if world.worker not in new_slots:
         world.leave()
@@ -304,10 +321,15 @@ def migrate(plan: MigrationPlan, generation: int, world: World, runtime: Runtime
     if world.members != new_slots:
         world.reform(new_slots, f"g{generation}/layout")
     new_runtime = build(plan.new.parallelism)
-    initialize_optimizer_states(new_runtime.optimizer)
-    sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
-    states = _assemble(new_runtime, held, received, sharded)
-    import_param_states(new_runtime.model, new_runtime.optimizer, states, step)
+    try:
+        world.sync(f"g{generation}/built")  # the first collectives of training then wait for no slow build
+        initialize_optimizer_states(new_runtime.optimizer)
+        sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
+        states = _assemble(new_runtime, held, received, sharded)
+        import_param_states(new_runtime.model, new_runtime.optimizer, states, step)
+    except BaseException:
+        release_runtime(new_runtime)  # its groups would block the next layout's
+        raise
     new_runtime.scheduler.num_steps = consumed_samples
     new_runtime.scheduler.step(increment=0)
     return new_runtime, consumed_samples
@@ -399,7 +421,8 @@ class ScheduledReconfiguration:
 
     def _run(self, migration: ScheduledMigration, runtime: Runtime | None) -> tuple[Runtime | None, int]:
         self.generation = migration.generation
-        return migrate(migration.plan, migration.generation, self.world, runtime, self.build,
+        held = None if runtime is None else hand_over(runtime)
+        return migrate(migration.plan, migration.generation, self.world, held, self.build,
                        migration.iteration * self.samples_per_iteration)
 
     def _join_after(self, generation: int) -> tuple[Runtime | None, int]:

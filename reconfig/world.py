@@ -6,12 +6,18 @@ message or key of an older generation can never reach the new one. megatron-core
 `destroy_model_parallel` neither destroys the groups it created nor resets all of its
 globals (../shared/notes/megatron-core-0.16.md); `release_parallel_state` does both, so
 twenty layout changes leave as many live groups as one.
+
+No wait on a peer is unbounded: members meet on the store before WORLD is created
+(`reform`, `sync`), a wait that a newer generation supersedes is abandoned, and
+collectives time out after `collective_timeout`, so a peer that died or stalled breaks
+WORLD (`WorldBroken`) instead of hanging the others.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -21,6 +27,21 @@ from megatron.core import parallel_state as ps
 # before the first initialize_model_parallel, one dict of groups).
 _PARALLEL_STATE_GLOBAL = re.compile(r"^_[A-Z][A-Z0-9_]*$")
 _TIMEOUT = timedelta(minutes=10)
+_MEET_POLL_SECONDS = 0.05
+# What gloo and NCCL say when a peer is gone or silent (they raise plain RuntimeErrors).
+_PEER_FAILURE = re.compile(r"gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Tt]imed out|[Bb]roken pipe")
+
+
+class WorldBroken(RuntimeError):
+    """This process's WORLD cannot go on: a peer died or stalled past the collective
+    timeout, or a newer generation superseded the one being formed."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a collective, means a peer failed (not a bug of this process)."""
+    if isinstance(exc, (WorldBroken, dist.DistError)):
+        return True
+    return isinstance(exc, RuntimeError) and _PEER_FAILURE.search(str(exc)) is not None
 
 
 def live_process_groups() -> int:
@@ -41,13 +62,23 @@ def release_parallel_state() -> None:
 
 
 class World:
-    """This process's place in the job: a stable worker id and the current WORLD."""
+    """This process's place in the job: a stable worker id and the current WORLD.
 
-    def __init__(self, worker: int, members: Sequence[int], store: dist.Store, backend: str) -> None:
+    `collective_timeout` bounds every collective of WORLD (and, passed on by the
+    runtime, of megatron-core's groups); `meet_timeout` bounds a wait for peers to reach
+    the same point, which `superseded()` (a newer plan exists) cuts short.
+    """
+
+    def __init__(self, worker: int, members: Sequence[int], store: dist.Store, backend: str,
+                 collective_timeout: timedelta = _TIMEOUT, meet_timeout: timedelta = _TIMEOUT,
+                 superseded: Callable[[], bool] = lambda: False) -> None:
         self.worker = worker
         self.members = tuple(members)
         self._store = store
         self._backend = backend
+        self.collective_timeout = collective_timeout
+        self.meet_timeout = meet_timeout
+        self._superseded = superseded
 
     @classmethod
     def from_torchrun(cls) -> World:
@@ -69,11 +100,32 @@ class World:
             dist.destroy_process_group()
         self.members = members if self.worker in members else ()
         if self.members:
+            self.sync(f"{key}/arrived")
             dist.init_process_group(self._backend, store=dist.PrefixStore(f"parcae/{key}/", self._store),
-                                    rank=members.index(self.worker), world_size=len(members), timeout=_TIMEOUT)
+                                    rank=members.index(self.worker), world_size=len(members),
+                                    timeout=self.collective_timeout)
+
+    def sync(self, key: str) -> None:
+        """Wait until every member of WORLD has reached the point `key` (`g<generation>/...`:
+        on the store, so a slow peer is no collective timeout); WorldBroken if superseded
+        or too slow."""
+        store = dist.PrefixStore(f"parcae/{key}/", self._store)
+        store.set(str(self.worker), b"1")  # who came, for the message of a timeout
+        arrived = store.add("count", 1)  # one key to poll, however many members
+        deadline = time.monotonic() + self.meet_timeout.total_seconds()
+        while arrived < len(self.members):
+            if self._superseded():
+                raise WorldBroken(f"a newer generation superseded {key} while worker {self.worker} "
+                                  "waited for its peers there")
+            if time.monotonic() > deadline:
+                missing = [str(w) for w in self.members if not store.check([str(w)])]
+                raise WorldBroken(f"workers {', '.join(missing)} did not reach {key} within "
+                                  f"{self.meet_timeout.total_seconds():g} s")
+            time.sleep(_MEET_POLL_SECONDS)
+            arrived = int(store.get("count"))
 
     def leave(self) -> None:
-        """Leave the job for good."""
+        """Leave WORLD: this worker has no slot, or its WORLD broke."""
         if dist.is_initialized():
             dist.destroy_process_group()
         self.members = ()

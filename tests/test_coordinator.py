@@ -74,6 +74,12 @@ class Worker:
         self.record = MemberRecord(**{**self.record.to_dict(), "generation": generation})
         assert self.store.update_member(self.record, self.lease.id)
 
+    def broke(self, generation: int, state_kept: bool) -> None:
+        """The WORLD of `generation` failed under this worker (as LiveReconfiguration reports it)."""
+        self.record = MemberRecord(**{**self.record.to_dict(), "generation": generation, "broken": generation,
+                                      "state_kept": state_kept})
+        assert self.store.update_member(self.record, self.lease.id)
+
     def notice(self, deadline_in: float) -> None:
         now = time.time()
         deadline = now + deadline_in
@@ -208,6 +214,43 @@ def test_lost_worker_and_restarted_process_are_dropped(job):
         assert "lost workers [1]" in decision(store, 3)["reason"]
         plan = store.plan(3).migration  # None: layers were lost, the job resumes from a checkpoint
         assert plan is None or 1 not in MigrationPlan.from_dict(plan).request.survivors
+
+
+def test_broken_world_waits_for_every_live_worker_then_recovers(job):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(4)]
+    with running(store, write_config(tmp_path, **{"min-workers": 4})):
+        assert wait_generation(store, 1).workers == {0, 1, 2, 3}
+        for worker in workers:
+            worker.acknowledge(1)
+        # a collective timed out with nobody lost: the same layout is re-formed in place,
+        # once the last live worker has reported
+        for worker in workers[:3]:
+            worker.broke(1, state_kept=True)
+        time.sleep(1.0)
+        assert store.current_generation() == 1
+        workers[3].broke(1, state_kept=True)
+        layout = wait_generation(store, 2)
+        plan = migration(store, 2)
+        assert layout == Layout.from_dict(store.plan(1).layout) and not plan.transfers and not plan.request.lost
+        assert "WORLD broke under workers [0, 1, 2, 3]" in decision(store, 2)["reason"]
+        for worker in workers:
+            worker.acknowledge(2)
+        # a worker killed without notice: the others report, its lease ends, state moves in place
+        for worker in workers[:3]:
+            worker.broke(2, state_kept=True)
+        workers[3].vanish()
+        layout = wait_generation(store, 3)
+        assert layout.workers <= {0, 1, 2} and migration(store, 3).request.lost == {3}
+        for worker in workers[:3]:
+            worker.acknowledge(3)
+        # one of them broke mid-change, its state gone: the job resumes from its checkpoint
+        workers[0].broke(3, state_kept=False)
+        for worker in workers[1:3]:
+            worker.broke(3, state_kept=True)
+        wait_generation(store, 4)
+        assert store.plan(4).migration is None and decision(store, 4)["kind"] == "restart"
+        assert "some mid-change" in decision(store, 4)["reason"]
 
 
 def test_member_whose_notice_expired_is_dropped_and_fenced(job):

@@ -270,3 +270,24 @@ def test_three_processes_form_two_generations_of_worlds(etcd_server, client):
 if __name__ == "__main__":
     endpoint_arg, prefix_arg, rank_arg = sys.argv[1:4]
     print(json.dumps(_worker(endpoint_arg, prefix_arg, int(rank_arg))), flush=True)
+
+
+# -- meeting peers before WORLD exists (reconfig.world.World.sync) ---------------------
+
+def test_waiting_for_peers_ends_when_superseded_or_too_slow(client):
+    from reconfig.world import World, WorldBroken
+
+    store = _store(client)
+    newer_plan = threading.Event()
+    world = World(0, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=30), superseded=newer_plan.is_set)
+    threading.Timer(0.3, newer_plan.set).start()
+    with pytest.raises(WorldBroken, match="superseded g1/built"):
+        world.sync("g1/built")  # worker 1 never comes
+    slow = World(0, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=0.3))
+    with pytest.raises(WorldBroken, match="workers 1 did not reach g2/built within 0.3 s"):
+        slow.sync("g2/built")
+    both = [World(w, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=30)) for w in (0, 1)]
+    late = threading.Timer(0.3, both[1].sync, args=("g3/built",))
+    late.start()
+    both[0].sync("g3/built")  # returns once worker 1 has come too
+    late.join()

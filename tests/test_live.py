@@ -31,6 +31,12 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
+@pytest.fixture(scope="session")
+def uninterrupted(tiny_data) -> dict[int, float]:
+    """Losses of TRAIN in one process, with no layout change."""
+    return losses(torchrun("pretrain_gpt.py", 1, TRAIN))
+
+
 @pytest.fixture
 def live_job(etcd_server, client, tmp_path):
     from megatron_parcae.etcd import JobStore
@@ -61,7 +67,7 @@ def live_job(etcd_server, client, tmp_path):
             p.wait()
 
 
-def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, tiny_data):
+def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted):
     store, coordinator, worker, logs = live_job
     first = coordinator("a")
     workers = {w: worker(w) for w in (0, 1)}
@@ -102,4 +108,4 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, tiny_data
     trained = [int(i) for i, _ in _LOSS.findall(text)]
     assert sorted(trained) == list(range(1, ITERS + 1))
     live = {int(i): float(v) for i, v in _LOSS.findall(text)}
-    assert_close(live, losses(torchrun("pretrain_gpt.py", 1, TRAIN)))
+    assert_close(live, uninterrupted)

@@ -63,7 +63,7 @@ class Field:
             return None
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, self.kind) or isinstance(value, bool):
+        if not isinstance(value, self.kind) or (isinstance(value, bool) and self.kind is not bool):
             raise SchemaError(where, f"expected {self.kind.__name__}, got {type(value).__name__}")
         if self.kind is float and not math.isfinite(value):
             raise SchemaError(where, f"expected a finite number, got {value}")
@@ -147,15 +147,26 @@ _NAME = Field(str, 1, 253)
 
 @dataclass(frozen=True)
 class MemberRecord(Record):
-    """A live training process; `generation` is the newest plan it has applied."""
+    """A live training process; `generation` is the newest plan it has applied (or failed
+    to apply). `broken` is the newest generation whose WORLD failed under it (a peer died
+    or stalled), 0 if none; `state_kept` says whether it still holds its state of that
+    generation's layout, whole at its last applied step (False: it failed mid-change)."""
 
     worker_id: int
     instance: str
     pid: int
     registered_at: float
     generation: int
+    broken: int = 0
+    state_kept: bool = True
 
-    SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME, "generation": Field(int, 0, MAX_GENERATION)}
+    SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME,
+              "generation": Field(int, 0, MAX_GENERATION), "broken": Field(int, 0, MAX_GENERATION),
+              "state_kept": Field(bool)}
+
+    def check(self, where: str) -> None:
+        if self.broken > self.generation:
+            raise SchemaError(where, f"broken generation {self.broken} is newer than generation {self.generation}")
 
 
 @dataclass(frozen=True)

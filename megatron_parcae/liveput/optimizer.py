@@ -285,6 +285,13 @@ class LiveputOptimizer:
             path.append(following)
         return path, best_value
 
+    def rebuild(self, current: Layout) -> Decision:
+        """The running layout on the same workers, its WORLD formed anew in place: for a
+        WORLD that broke with no worker lost (a collective timed out on a slow peer)."""
+        request = MigrationRequest(current, current.workers, frozenset(), frozenset(), self.distributed_optimizer)
+        plan = plan_migration(request, current.parallelism, self.costs.shape)
+        return Decision(plan.new, plan, self.costs.plan_cost(plan), (current.parallelism,), 0.0)
+
     def _realise(self, current: Layout | None, available: frozenset[int], leaving: frozenset[int],
                  lost: frozenset[int], path: list[Parallelism], value: float) -> Decision:
         """Turn the first step of `path` into a layout with workers and the plan to reach it."""

@@ -1,0 +1,338 @@
+"""Chaos: GPT-tiny trained by 4 to 6 `--parcae` workers while its processes are killed.
+
+    python -m benchmarks.chaos --runs 20 --json chaos.json
+
+Each run starts etcd, `parcae coordinator` and 4 to 6 workers (parcae replay's
+`ParcaeJob`, so the processes are the emulator's), with dist checkpoints every
+--save-interval iterations. While it trains:
+- workers of the layout are SIGKILLed without notice at random moments, some right after
+  a plan is published (while it is being applied) and some right after a checkpoint
+  iteration is logged (while it is being saved); a new worker replaces each a few seconds
+  later (a new instance);
+- the coordinator is SIGKILLed once and started again;
+- etcd is restarted once.
+
+Then it checks what acceptance 1 of issue 7 asks:
+- every run finishes;
+- the consumed-sample log: each logged iteration consumed exactly its own samples, none
+  is skipped, and the iterations logged twice are exactly the lost steps the restarts
+  reported;
+- the final parameters equal an uninterrupted run's within 1e-5 relative (in norm, over
+  the whole model); Adam's moments and the worst single tensor are reported beside them,
+  with the same figures for two uninterrupted runs on 1 and 2 processes (the float noise
+  any layout change brings: the K part of the QKV bias, for one, has no true gradient,
+  and Adam turns its rounding noise into lr-sized steps).
+The JSON has, per run and in total, the kills, kills during migrations and at
+checkpoints, recoveries in place, checkpoint fallbacks and lost steps. Exits 1 when a
+run fails a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_parcae.emulator import JobLog, ParcaeJob, ReplayError, fresh_workdir
+from megatron_parcae.etcd import EtcdClient, EtcdError, JobStore
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = "scripts/pretrain_gpt.py"
+PROFILE = REPO / "configs/profiles/gpt-tiny-cpu.json"
+RUN_LIMIT_S = 900.0
+REPLACE_AFTER_S = 3.0  # a killed instance's replacement arrives this much later
+TRIGGER_WAIT_S = 30.0  # a kill waiting for a migration or a checkpoint gives up after this
+PARAM_TOLERANCE = 1e-5
+_PUBLISHED = re.compile(r"generation (\d+) published: .*?; ([a-z-]+), [0-9.]+ s expected; (.*)$", re.M)
+
+
+@dataclass
+class StateDifference:
+    """||a - b|| / ||b|| of two final states: over all parameters, over all Adam moments,
+    and for the tensor where it is largest."""
+
+    params: float
+    moments: float
+    worst_tensor: str
+    worst_tensor_diff: float
+
+    @classmethod
+    def of(cls, state: dict[str, dict], reference: dict[str, dict]) -> StateDifference:
+        squares = {"params": [0.0, 0.0], "moments": [0.0, 0.0]}
+        worst = ("", 0.0)
+        for name, tensors in reference.items():
+            for key, ref in tensors.items():
+                diff, norm = float((state[name][key] - ref).norm()), float(ref.norm())
+                group = squares["params" if key == "param" else "moments"]
+                group[0] += diff**2
+                group[1] += norm**2
+                if diff / max(norm, 1e-30) > worst[1]:
+                    worst = (f"{name} ({key})", diff / max(norm, 1e-30))
+        params, moments = ((d / max(n, 1e-60)) ** 0.5 for d, n in squares.values())
+        return cls(params, moments, *worst)
+
+
+@dataclass
+class RunReport:
+    """One chaos run: what was done to it, how it recovered, and the checks."""
+
+    run: int
+    workers: int
+    finished: bool = False
+    error: str | None = None
+    wall_seconds: float = 0.0
+    kills: int = 0
+    kills_during_migration: int = 0
+    kills_at_checkpoint: int = 0
+    coordinator_restarts: int = 0
+    etcd_restarts: int = 0
+    recoveries_in_place: int = 0
+    checkpoint_fallbacks: int = 0
+    lost_steps: int = 0
+    repeated_iterations: int = 0
+    sample_problems: list[str] = field(default_factory=list)
+    difference: StateDifference | None = None  # final state against the uninterrupted run's
+
+    @property
+    def passed(self) -> bool:
+        return (self.finished and not self.sample_problems and self.difference is not None
+                and self.difference.params <= PARAM_TOLERANCE)
+
+
+def check_samples(trained: list[tuple[int, int]], global_batch: int, iterations: int,
+                  lost_steps: int) -> tuple[list[str], int]:
+    """Problems in the consumed-sample log, and how many iterations it repeats."""
+    problems, repeated, expected = [], 0, 1
+    for iteration, consumed in trained:
+        if consumed != iteration * global_batch:
+            problems.append(f"iteration {iteration} logged {consumed} consumed samples, not {iteration * global_batch}")
+        if iteration < expected:
+            repeated += 1
+        elif iteration > expected:
+            problems.append(f"iterations {expected} to {iteration - 1} were never logged")
+            expected = iteration + 1
+        else:
+            expected += 1
+    if expected != iterations + 1:
+        problems.append(f"training stopped at iteration {expected - 1} of {iterations}")
+    if repeated != lost_steps:
+        problems.append(f"{repeated} iterations were trained twice, the restarts reported {lost_steps} lost steps")
+    return problems, repeated
+
+
+class Chaos:
+    """The disruptions of one run, driven from the benchmark's loop (see the module docstring)."""
+
+    def __init__(self, job: ParcaeJob, store: JobStore, rng: random.Random, report: RunReport,
+                 save_interval: int, max_kills: int) -> None:
+        self.job, self.store, self.rng, self.report = job, store, rng, report
+        self.save_interval, self.max_kills = save_interval, max_kills
+        self.started = time.monotonic()
+        self.next_kill = rng.uniform(8, 16)
+        self.kill_trigger: str | None = None
+        self.trigger_since = 0.0
+        self.trigger_mark = 0
+        self.replace_at: float | None = None
+        self.coordinator_down_at = rng.uniform(12, 40)
+        self.coordinator_up_at: float | None = None
+        self.etcd_restart_at = rng.uniform(15, 50)
+
+    def tick(self) -> None:
+        now = time.monotonic() - self.started
+        if self.replace_at is not None and now >= self.replace_at:
+            self.job.resize(self.report.workers)
+            self.replace_at = None
+        if self.coordinator_down_at is not None and now >= self.coordinator_down_at:
+            self.job.kill_coordinator()
+            self.coordinator_down_at, self.coordinator_up_at = None, now + self.rng.uniform(2, 6)
+        if self.coordinator_up_at is not None and now >= self.coordinator_up_at:
+            self.job.start_coordinator()
+            self.coordinator_up_at = None
+            self.report.coordinator_restarts += 1
+        if self.etcd_restart_at is not None and now >= self.etcd_restart_at:
+            self.job.restart_etcd()
+            self.etcd_restart_at = None
+            self.report.etcd_restarts += 1
+        if self.report.kills < self.max_kills and now >= self.next_kill:
+            self._kill_when_due(now)
+
+    def _kill_when_due(self, now: float) -> None:
+        if self.kill_trigger is None:
+            self.kill_trigger = self.rng.choice(["anytime", "migration", "checkpoint"])
+            self.trigger_since = now
+            self.trigger_mark = (self._generation() if self.kill_trigger == "migration"
+                                 else self.job.log.iteration)
+        due = self.kill_trigger == "anytime" or now - self.trigger_since > TRIGGER_WAIT_S
+        if self.kill_trigger == "migration":
+            due = due or self._generation() > self.trigger_mark
+        elif self.kill_trigger == "checkpoint":
+            iteration = self.job.log.iteration
+            due = due or (iteration > self.trigger_mark and iteration % self.save_interval == 0)
+        if due and self._kill_a_layout_worker():
+            self.kill_trigger = None
+            self.next_kill = now + self.rng.uniform(8, 20)
+            self.replace_at = now + REPLACE_AFTER_S
+
+    def _generation(self) -> int:
+        try:
+            return self.store.current_generation()
+        except EtcdError:  # etcd is restarting
+            return self.trigger_mark
+
+    def _kill_a_layout_worker(self) -> bool:
+        try:
+            plan = self.store.latest_plan()
+            members = self.store.members()
+        except EtcdError:
+            return False
+        if plan is None:
+            return False
+        victims = sorted(set(plan.layout["slots"]) & set(self.job.alive()))
+        if not victims:
+            return False
+        applying = any(m.generation < plan.generation for w, m in members.items() if w in plan.layout["slots"])
+        at_checkpoint = self.job.log.iteration % self.save_interval == 0 and self.job.log.iteration > 0
+        self.job.kill_worker(self.rng.choice(victims))
+        self.report.kills += 1
+        self.report.kills_during_migration += int(applying)
+        self.report.kills_at_checkpoint += int(at_checkpoint and not applying)
+        return True
+
+
+def recoveries(workdir: Path, log: JobLog) -> tuple[int, int]:
+    """(in place, from a checkpoint): the applied plans the coordinator published for lost workers."""
+    applied = {c["generation"] for c in log.changes}
+    in_place = fallback = 0
+    for path in workdir.glob("coordinator-*.log"):
+        for generation, kind, reason in _PUBLISHED.findall(path.read_text(errors="replace")):
+            if int(generation) in applied and ("lost workers" in reason or "WORLD broke" in reason):
+                if kind == "restart":
+                    fallback += 1
+                else:
+                    in_place += 1
+    return in_place, fallback
+
+
+def final_state(save: Path, flags: list[str]) -> dict[str, dict]:
+    """The newest checkpoint under `save`, loaded at T1P1D1 in this process: parameters and
+    Adam moments by global name."""
+    import torch.distributed as dist
+
+    from megatron_parcae import checkpointing
+    from megatron_parcae.arguments import parse_args
+    from megatron_parcae.data.datasets import build_tokenizer
+    from megatron_parcae.models import padded_vocab_size
+    from megatron_parcae.optimizer_state import export_param_states
+    from megatron_parcae.training import LayoutRuntime, prepare_device
+
+    if not dist.is_initialized():
+        prepare_device()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    args = parse_args(flags, prog="chaos", model="gpt", world_size=1)
+    runtime = LayoutRuntime(args, padded_vocab_size(build_tokenizer(args).vocab_size, args))
+    try:
+        checkpointing.load(str(save), runtime)
+        return {s.shard.global_name: s.tensors for s in export_param_states(runtime.model, runtime.optimizer)}
+    finally:
+        runtime.destroy()
+
+
+def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], iterations: int,
+              global_batch: int, save_interval: int, max_kills: int, reference: dict[str, dict]) -> RunReport:
+    report = RunReport(index, rng.randint(4, 6))
+    fresh_workdir(workdir)
+    save = workdir / "checkpoints"
+    job = ParcaeJob(SCRIPT, [*flags, "--save", str(save), "--save-interval", str(save_interval)], workdir,
+                    PROFILE, grace_seconds=10.0, interval_seconds=2.0, max_instances=6, seed=rng.randrange(2**31))
+    started = time.monotonic()
+    try:
+        with EtcdClient(job.endpoint, timeout=5) as client:
+            chaos = Chaos(job, JobStore(client, job.job), rng, report, save_interval, max_kills)
+            job.resize(report.workers)
+            while not job.check():
+                if time.monotonic() - started > RUN_LIMIT_S:
+                    raise ReplayError(f"training did not end within {RUN_LIMIT_S:g} s (logs in {workdir})")
+                chaos.tick()
+                time.sleep(0.05)
+        report.finished = True
+    except (ReplayError, EtcdError) as exc:
+        report.error = str(exc)[-2000:]
+    finally:
+        job.stop()
+        report.wall_seconds = round(time.monotonic() - started, 1)
+    report.lost_steps = job.log.lost_steps
+    report.recoveries_in_place, report.checkpoint_fallbacks = recoveries(workdir, job.log)
+    report.sample_problems, report.repeated_iterations = check_samples(job.log.trained, global_batch, iterations,
+                                                                       report.lost_steps)
+    if report.finished:
+        report.difference = StateDifference.of(final_state(save, flags), reference)
+    return report
+
+
+def uninterrupted_state(workdir: Path, flags: list[str], processes: int) -> dict[str, dict]:
+    """An uninterrupted run of the same flags on `processes` (data parallel), saved at the end."""
+    fresh_workdir(workdir)
+    save = workdir / "checkpoints"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), SCRIPT, *flags,
+           "--save", str(save)]
+    with (workdir / "reference.log").open("w") as out:
+        subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=RUN_LIMIT_S)
+    return final_state(save, flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--iterations", type=int, default=40, help="training iterations of each run")
+    parser.add_argument("--save-interval", type=int, default=10, help="checkpoint interval (iterations)")
+    parser.add_argument("--kills", type=int, default=3, help="SIGKILLs of workers in each run")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=Path("chaos"))
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.iterations < 1 or args.save_interval < 1 or args.kills < 0:
+        parser.error("--runs, --iterations and --save-interval must be positive, --kills at least 0")
+    flags = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(args.iterations), "--lr", "3e-4",
+             "--min-lr", "3e-5", "--log-interval", "1"]
+    global_batch = 32  # configs/gpt-tiny.yaml
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    reference = uninterrupted_state(args.workdir / "reference", flags, 1)
+    noise_floor = StateDifference.of(uninterrupted_state(args.workdir / "reference-2", flags, 2), reference)
+    print(f"uninterrupted, 2 processes against 1: {noise_floor}", flush=True)
+    reports = []
+    for index in range(args.runs):
+        rng = random.Random(args.seed * 1_000_003 + index)
+        report = chaos_run(index, rng, args.workdir / f"run-{index:02d}", flags, args.iterations, global_batch,
+                           args.save_interval, args.kills, reference)
+        reports.append(report)
+        print(f"run {index:2d}: {'ok  ' if report.passed else 'FAIL'} {report.workers} workers, {report.kills} kills "
+              f"({report.kills_during_migration} in migrations, {report.kills_at_checkpoint} at checkpoints), "
+              f"{report.recoveries_in_place} in place, {report.checkpoint_fallbacks} from checkpoints, "
+              f"{report.lost_steps} lost steps, {report.difference}, {report.wall_seconds:.0f} s"
+              + (f"; {report.error or ''} {' '.join(report.sample_problems)}" if not report.passed else ""),
+              flush=True)
+    totals = {key: sum(getattr(r, key) for r in reports) for key in (
+        "kills", "kills_during_migration", "kills_at_checkpoint", "coordinator_restarts", "etcd_restarts",
+        "recoveries_in_place", "checkpoint_fallbacks", "lost_steps", "repeated_iterations")}
+    differences = [r.difference for r in reports if r.difference is not None]
+    summary = {"runs": len(reports), "passed": sum(r.passed for r in reports),
+               "finished": sum(r.finished for r in reports), **totals,
+               "max_params_rel_diff": max((d.params for d in differences), default=None),
+               "max_moments_rel_diff": max((d.moments for d in differences), default=None),
+               "max_tensor_rel_diff": max((d.worst_tensor_diff for d in differences), default=None),
+               "tolerance": PARAM_TOLERANCE, "noise_floor_2_vs_1_processes": asdict(noise_floor)}
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps({"summary": summary, "command": " ".join(sys.argv),
+                                         "runs": [asdict(r) for r in reports]}, indent=1))
+    return 0 if summary["passed"] == len(reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

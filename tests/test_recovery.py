@@ -1,0 +1,85 @@
+"""Workers lost without notice, as real processes: one stalls (SIGSTOP) past its lease,
+then another is SIGKILLed. The others go on in place, and train the same model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from launch import assert_close
+from test_etcd import wait_for
+from conftest import REPO
+from test_live import _LOSS, ITERS, live_job, uninterrupted  # noqa: F401 (fixtures)
+from reconfig.report import CHANGE_REPORT
+
+LEASE_S = 5.0  # the workers' (test_live.live_job)
+
+
+def _start_three(live_job) -> tuple[dict, callable]:
+    """Three registered workers, then the coordinator; returns them and an iteration probe.
+
+    The coordinator's profile allows no tensor parallelism, so that the layout keeps a
+    replica of every layer (data parallel): losing one worker loses no state.
+    """
+    store, coordinator, worker, tmp_path = live_job
+    profile = json.loads((REPO / "configs/profiles/gpt-tiny-cpu.json").read_text())
+    (tmp_path / "profile.json").write_text(json.dumps({**profile, "max_tensor_parallel": 1}))
+    config = tmp_path / "coordinator.yaml"
+    config.write_text("\n".join(f"profile: {tmp_path / 'profile.json'}" if line.startswith("profile:") else line
+                                for line in config.read_text().splitlines()))
+    workers = {w: worker(w) for w in (0, 1, 2)}
+    wait_for(lambda: len(store.members()) == 3, 120, "three workers to register")
+    coordinator("a")
+
+    def iteration() -> int:
+        return max((r.iteration for r in store.step_reports().values()), default=0)
+
+    wait_for(lambda: iteration() >= 5, 180, "5 iterations")
+    return workers, iteration
+
+
+def _check_training(live_job, workers: dict, survivors: list[int], uninterrupted: dict) -> str:
+    """Every survivor ended well, each iteration was trained once, the model is the same."""
+    store, _, _, logs = live_job
+    for w in survivors:
+        assert workers[w].wait(timeout=240) == 0, (logs / f"worker-{w}.log").read_text()[-3000:]
+    text = "".join((logs / f"worker-{w}.log").read_text() for w in workers)
+    assert store.done() is not None and store.done().iteration == ITERS
+    trained = [int(i) for i, _ in _LOSS.findall(text)]
+    assert sorted(trained) == list(range(1, ITERS + 1))
+    assert_close({int(i): float(v) for i, v in _LOSS.findall(text)}, uninterrupted)
+    return text
+
+
+def test_stalled_then_killed_workers_are_left_behind_in_place(live_job, uninterrupted):
+    store, _, _, logs = live_job
+    workers, iteration = _start_three(live_job)
+    generation = store.current_generation()
+    stalled = store.plan(generation).layout["slots"][-1]
+    stalled_at = time.monotonic()
+    os.kill(workers[stalled].pid, signal.SIGSTOP)
+    before = iteration()
+    wait_for(lambda: iteration() > before + 1, 120, "the others to train again")
+    resumed_after = time.monotonic() - stalled_at
+    # the collective it stalled is given up after one lease period, its lease ends too
+    assert resumed_after < 2 * LEASE_S, resumed_after
+    os.kill(workers[stalled].pid, signal.SIGCONT)
+    assert workers[stalled].wait(timeout=60) == 1
+    stalled_log = (logs / f"worker-{stalled}.log").read_text()
+    assert "lost its membership" in stalled_log and "saved checkpoint" not in stalled_log
+
+    # then a worker of the new layout is SIGKILLed: a replica of every layer is left
+    wait_for(lambda: store.current_generation() > generation and iteration() > before + 4, 120, "a new layout")
+    generation = store.current_generation()
+    killed = store.plan(generation).layout["slots"][-1]
+    workers[killed].send_signal(signal.SIGKILL)
+    text = _check_training(live_job, workers, [w for w in workers if w not in (stalled, killed)], uninterrupted)
+    assert f"generation {generation} broke" in text and "keeping its state" in text
+    # the next change moved the survivors' state: nothing was lost, nothing restarted
+    after = [m for m in CHANGE_REPORT.finditer(text) if int(m["generation"]) > generation]
+    assert after and after[0]["kind"] != "restart" and not int(after[0]["lost_steps"] or 0)
+    coordinator_log = (logs / "coordinator-a.log").read_text()
+    assert f"lost workers [{stalled}]" in coordinator_log and f"lost workers [{killed}]" in coordinator_log
+    assert "WORLD broke under workers" in coordinator_log
