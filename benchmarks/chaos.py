@@ -18,10 +18,9 @@ Then it checks what acceptance 1 of issue 7 asks:
   is skipped, and the iterations logged twice are exactly the lost steps the restarts
   reported;
 - the final parameters equal an uninterrupted run's within 1e-5 relative (in norm, over
-  the whole model); Adam's moments and the worst single tensor are reported beside them,
-  with the same figures for two uninterrupted runs on 1 and 2 processes (the float noise
-  any layout change brings: the K part of the QKV bias, for one, has no true gradient,
-  and Adam turns its rounding noise into lr-sized steps).
+  the whole model: `parcae compare`); Adam's moments and the worst single tensor are
+  reported beside them, with the same figures for two uninterrupted runs on 1 and 2
+  processes (the float noise any layout change brings).
 The JSON has, per run and in total, the kills, kills during migrations and at
 checkpoints, recoveries in place, checkpoint fallbacks and lost steps. Exits 1 when a
 run fails a check.
@@ -39,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_parcae.compare import TOLERANCE, StateDifference, load_state
 from megatron_parcae.emulator import JobLog, ParcaeJob, ReplayError, fresh_workdir
 from megatron_parcae.etcd import EtcdClient, EtcdError, JobStore
 
@@ -48,34 +48,7 @@ PROFILE = REPO / "configs/profiles/gpt-tiny-cpu.json"
 RUN_LIMIT_S = 900.0
 REPLACE_AFTER_S = 3.0  # a killed instance's replacement arrives this much later
 TRIGGER_WAIT_S = 30.0  # a kill waiting for a migration or a checkpoint gives up after this
-PARAM_TOLERANCE = 1e-5
 _PUBLISHED = re.compile(r"generation (\d+) published: .*?; ([a-z-]+), [0-9.]+ s expected; (.*)$", re.M)
-
-
-@dataclass
-class StateDifference:
-    """||a - b|| / ||b|| of two final states: over all parameters, over all Adam moments,
-    and for the tensor where it is largest."""
-
-    params: float
-    moments: float
-    worst_tensor: str
-    worst_tensor_diff: float
-
-    @classmethod
-    def of(cls, state: dict[str, dict], reference: dict[str, dict]) -> StateDifference:
-        squares = {"params": [0.0, 0.0], "moments": [0.0, 0.0]}
-        worst = ("", 0.0)
-        for name, tensors in reference.items():
-            for key, ref in tensors.items():
-                diff, norm = float((state[name][key] - ref).norm()), float(ref.norm())
-                group = squares["params" if key == "param" else "moments"]
-                group[0] += diff**2
-                group[1] += norm**2
-                if diff / max(norm, 1e-30) > worst[1]:
-                    worst = (f"{name} ({key})", diff / max(norm, 1e-30))
-        params, moments = ((d / max(n, 1e-60)) ** 0.5 for d, n in squares.values())
-        return cls(params, moments, *worst)
 
 
 @dataclass
@@ -102,7 +75,7 @@ class RunReport:
     @property
     def passed(self) -> bool:
         return (self.finished and not self.sample_problems and self.difference is not None
-                and self.difference.params <= PARAM_TOLERANCE)
+                and self.difference.params <= TOLERANCE)
 
 
 def check_samples(trained: list[tuple[int, int]], global_batch: int, iterations: int,
@@ -219,30 +192,6 @@ def recoveries(workdir: Path, log: JobLog) -> tuple[int, int]:
     return in_place, fallback
 
 
-def final_state(save: Path, flags: list[str]) -> dict[str, dict]:
-    """The newest checkpoint under `save`, loaded at T1P1D1 in this process: parameters and
-    Adam moments by global name."""
-    import torch.distributed as dist
-
-    from megatron_parcae import checkpointing
-    from megatron_parcae.arguments import parse_args
-    from megatron_parcae.data.datasets import build_tokenizer
-    from megatron_parcae.models import padded_vocab_size
-    from megatron_parcae.optimizer_state import export_param_states
-    from megatron_parcae.training import LayoutRuntime, prepare_device
-
-    if not dist.is_initialized():
-        prepare_device()
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    args = parse_args(flags, prog="chaos", model="gpt", world_size=1)
-    runtime = LayoutRuntime(args, padded_vocab_size(build_tokenizer(args).vocab_size, args))
-    try:
-        checkpointing.load(str(save), runtime)
-        return {s.shard.global_name: s.tensors for s in export_param_states(runtime.model, runtime.optimizer)}
-    finally:
-        runtime.destroy()
-
-
 def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], iterations: int,
               global_batch: int, save_interval: int, max_kills: int, reference: dict[str, dict]) -> RunReport:
     report = RunReport(index, rng.randint(4, 6))
@@ -271,7 +220,7 @@ def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], i
     report.sample_problems, report.repeated_iterations = check_samples(job.log.trained, global_batch, iterations,
                                                                        report.lost_steps)
     if report.finished:
-        report.difference = StateDifference.of(final_state(save, flags), reference)
+        report.difference = StateDifference.of(load_state(save, flags, "gpt"), reference)
     return report
 
 
@@ -283,7 +232,7 @@ def uninterrupted_state(workdir: Path, flags: list[str], processes: int) -> dict
            "--save", str(save)]
     with (workdir / "reference.log").open("w") as out:
         subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=RUN_LIMIT_S)
-    return final_state(save, flags)
+    return load_state(save, flags, "gpt")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                "max_params_rel_diff": max((d.params for d in differences), default=None),
                "max_moments_rel_diff": max((d.moments for d in differences), default=None),
                "max_tensor_rel_diff": max((d.worst_tensor_diff for d in differences), default=None),
-               "tolerance": PARAM_TOLERANCE, "noise_floor_2_vs_1_processes": asdict(noise_floor)}
+               "tolerance": TOLERANCE, "noise_floor_2_vs_1_processes": asdict(noise_floor)}
     print(json.dumps(summary, indent=1))
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "command": " ".join(sys.argv),

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("megatron_parcae.coordinator", "decide layouts live and publish plans in etcd (one leader per job)"),
     "replay": ("megatron_parcae.emulator", "replay a spot trace with real processes: --parcae against checkpoint-restart"),
     "status": ("megatron_parcae.status", "show a job's generation, layout, members, forecast and last migrations"),
+    "compare": ("megatron_parcae.compare", "how far apart two checkpoints' parameters and Adam moments are"),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -35,6 +36,16 @@ def losses(result: subprocess.CompletedProcess) -> dict[int, float]:
     found = {int(i): float(v) for i, v in _LOSS.findall(result.stdout)}
     assert found, f"no loss logged:\n{result.stdout[-2000:]}"
     return found
+
+
+def assert_same_state(checkpoint: Path, reference: Path, flags: list[str], model: str = "gpt") -> None:
+    """`parcae compare`: parameters and Adam moments within 1e-5 relative over the model."""
+    run = subprocess.run([sys.executable, "-m", "megatron_parcae.cli", "compare", "--checkpoint", str(checkpoint),
+                          "--reference", str(reference), "--model", model, "--", *flags], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr[-3000:]}"
+    difference = json.loads(run.stdout)
+    assert difference["params"] <= 1e-5 and difference["moments"] <= 1e-5, difference
 
 
 def assert_close(a: dict[int, float], b: dict[int, float], rel: float = 1e-5) -> None:

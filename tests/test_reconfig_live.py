@@ -7,10 +7,11 @@ the executor moved exactly the parameters and Adam moments each new rank needs.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from launch import SMALL_GPT, assert_close, layout_flags, losses, torchrun
+from launch import SMALL_GPT, assert_close, assert_same_state, layout_flags, losses, torchrun
 from megatron_parcae.arguments import ArgumentError, parse_args
 from megatron_parcae.layout_schedule import LayoutChange, parse_layout_schedule
 from reconfig.report import CHANGE_REPORT
@@ -19,12 +20,21 @@ ITERS = 12
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_data) -> dict[int, float]:
-    return losses(torchrun("pretrain_gpt.py", 1, SMALL_GPT + ["--train-iters", str(ITERS)]))
+def reference_run(tiny_data, tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """Losses of an uninterrupted single-process run, and the folder of its final checkpoint."""
+    save = tmp_path_factory.mktemp("reference") / "checkpoints"
+    return losses(torchrun("pretrain_gpt.py", 1, SMALL_GPT + ["--train-iters", str(ITERS), "--save", str(save)])), save
 
 
-def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, iters: int = ITERS):
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict[int, float]:
+    return reference_run[0]
+
+
+def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, iters: int = ITERS,
+               save: Path | None = None):
     extra = ["--use-distributed-optimizer"] if distributed_optimizer else []
+    extra += [] if save is None else ["--save", str(save)]
     run = torchrun("pretrain_gpt.py", nproc, SMALL_GPT + layout_flags(1, pp) + extra + [
         "--train-iters", str(iters), "--parcae", "--parcae-layout-schedule", schedule], timeout=300)
     found = losses(run)
@@ -37,11 +47,13 @@ OPTIMIZERS = pytest.mark.parametrize("distributed_optimizer", [False, True], ids
 
 
 @OPTIMIZERS
-def test_tensor_and_pipeline_changes_train_the_same_model(reference, distributed_optimizer):
-    found, changes = _scheduled(4, 2, "3:2,2,1;6:1,1,4;9:2,1,2", distributed_optimizer)
+def test_tensor_and_pipeline_changes_train_the_same_model(reference_run, distributed_optimizer, tmp_path):
+    reference, reference_save = reference_run
+    found, changes = _scheduled(4, 2, "3:2,2,1;6:1,1,4;9:2,1,2", distributed_optimizer, save=tmp_path / "ckpt")
     assert [(i, layout) for i, _, layout, *_ in changes] == [(3, (2, 2, 1)), (6, (1, 1, 4)), (9, (2, 1, 2))]
     assert all(kind == "tensor" for _, kind, *_ in changes)
     assert_close(found, reference)
+    assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(ITERS)])
 
 
 def test_intra_stage_leave_moves_nothing(reference):
