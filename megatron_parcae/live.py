@@ -171,7 +171,7 @@ class LiveReconfiguration:
         return self.agent.fenced or (pending is not None and pending.generation > self._applying)
 
     def _report_broken(self, generation: int, consumed_samples: int, error: BaseException, state_kept: bool) -> None:
-        self.world.leave()  # peers blocked on this worker fail now rather than at their timeout
+        self.world.break_generation(generation)  # peers blocked on this worker fail now, not at their timeout
         self.agent.report_broken(generation, state_kept)
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         print(f" worker {self.world.worker}: generation {generation} broke at iteration "

@@ -112,11 +112,14 @@ class World:
         store = dist.PrefixStore(f"parcae/{key}/", self._store)
         store.set(str(self.worker), b"1")  # who came, for the message of a timeout
         arrived = store.add("count", 1)  # one key to poll, however many members
+        generation = key.split("/")[0]
         deadline = time.monotonic() + self.meet_timeout.total_seconds()
         while arrived < len(self.members):
             if self._superseded():
                 raise WorldBroken(f"a newer generation superseded {key} while worker {self.worker} "
                                   "waited for its peers there")
+            if self._store.check([f"parcae/{generation}/broken"]):
+                raise WorldBroken(f"a peer broke in {generation} while worker {self.worker} waited at {key}")
             if time.monotonic() > deadline:
                 missing = [str(w) for w in self.members if not store.check([str(w)])]
                 raise WorldBroken(f"workers {', '.join(missing)} did not reach {key} within "
@@ -129,3 +132,9 @@ class World:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.members = ()
+
+    def break_generation(self, generation: int) -> None:
+        """Leave WORLD after a failure in `generation`, and end its peers' waits at its
+        meeting points (`sync`): the one they wait for may be the worker that died."""
+        self._store.set(f"parcae/g{generation}/broken", b"1")
+        self.leave()

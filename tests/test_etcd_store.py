@@ -286,6 +286,10 @@ def test_waiting_for_peers_ends_when_superseded_or_too_slow(client):
     slow = World(0, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=0.3))
     with pytest.raises(WorldBroken, match="workers 1 did not reach g2/built within 0.3 s"):
         slow.sync("g2/built")
+    waiting = World(0, (0, 1, 2), store, "gloo", meet_timeout=timedelta(seconds=30))
+    threading.Timer(0.3, World(1, (), store, "gloo").break_generation, args=(4,)).start()
+    with pytest.raises(WorldBroken, match="a peer broke in g4"):
+        waiting.sync("g4/layout/built")  # worker 2 died; worker 1 saw it and gave up
     both = [World(w, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=30)) for w in (0, 1)]
     late = threading.Timer(0.3, both[1].sync, args=("g3/built",))
     late.start()
