@@ -95,6 +95,7 @@ class LiveReconfiguration:
                            collective_timeout=collective_timeout(args), superseded=self._superseded)
         self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
         self._applying = 0  # the plan being applied, while one is
+        self._lost_by_generation: dict[int, frozenset[int] | None] = {}
         self.samples_per_iteration = args.global_batch_size
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
@@ -164,11 +165,33 @@ class LiveReconfiguration:
             raise LiveJobError(f"worker {self.world.worker} lost its membership in job {self.args.parcae_job} "
                                "(its lease expired or the coordinator dropped it); its state is no longer wanted")
 
-    def _superseded(self) -> bool:
-        """Whether a wait on peers for the plan being applied is in vain: a newer plan came
-        (a peer was lost meanwhile) or this worker was fenced."""
+    def _superseded(self, peers: tuple[int, ...]) -> bool:
+        """Whether waiting for `peers` while the plan being applied is formed is in vain:
+        this worker was fenced, or a newer plan counts one of them lost or starts over
+        from a checkpoint. (A newer plan that only follows this one is applied after it.)"""
+        if self.agent.fenced:
+            return True
         pending = self.agent.pending_plan()
-        return self.agent.fenced or (pending is not None and pending.generation > self._applying)
+        if pending is None:
+            return False
+        for generation in range(self._applying + 1, pending.generation + 1):
+            lost = self._lost_in(generation)
+            if lost is None or lost & frozenset(peers):
+                return True
+        return False
+
+    def _lost_in(self, generation: int) -> frozenset[int] | None:
+        """The workers the plan of `generation` counts as lost; None for a restart."""
+        if generation not in self._lost_by_generation:
+            try:
+                envelope = self.store.plan(generation)
+            except (EtcdUnavailable, SchemaError):
+                return frozenset()  # asked again at the next poll
+            if envelope is None:
+                return frozenset()
+            self._lost_by_generation[generation] = (
+                None if envelope.migration is None else MigrationPlan.from_dict(envelope.migration).request.lost)
+        return self._lost_by_generation[generation]
 
     def _report_broken(self, generation: int, consumed_samples: int, error: BaseException, state_kept: bool) -> None:
         self.world.break_generation(generation)  # peers blocked on this worker fail now, not at their timeout

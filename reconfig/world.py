@@ -66,12 +66,13 @@ class World:
 
     `collective_timeout` bounds every collective of WORLD (and, passed on by the
     runtime, of megatron-core's groups); `meet_timeout` bounds a wait for peers to reach
-    the same point, which `superseded()` (a newer plan exists) cuts short.
+    the same point, which `superseded(members)` (a newer plan counts one of them lost)
+    or a peer's failure (`break_generation`) cuts short.
     """
 
     def __init__(self, worker: int, members: Sequence[int], store: dist.Store, backend: str,
                  collective_timeout: timedelta = _TIMEOUT, meet_timeout: timedelta = _TIMEOUT,
-                 superseded: Callable[[], bool] = lambda: False) -> None:
+                 superseded: Callable[[tuple[int, ...]], bool] = lambda peers: False) -> None:
         self.worker = worker
         self.members = tuple(members)
         self._store = store
@@ -115,9 +116,9 @@ class World:
         generation = key.split("/")[0]
         deadline = time.monotonic() + self.meet_timeout.total_seconds()
         while arrived < len(self.members):
-            if self._superseded():
-                raise WorldBroken(f"a newer generation superseded {key} while worker {self.worker} "
-                                  "waited for its peers there")
+            if self._superseded(self.members):
+                raise WorldBroken(f"a newer plan superseded {key}: it counts a peer worker {self.worker} "
+                                  "waited for there as lost")
             if self._store.check([f"parcae/{generation}/broken"]):
                 raise WorldBroken(f"a peer broke in {generation} while worker {self.worker} waited at {key}")
             if time.monotonic() > deadline:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,57 @@ def secure_server(tmp_path_factory):
         _enable_auth([find_etcd_binary("etcdctl"), f"--endpoints=https://{server.endpoint}", f"--cacert={client_tls.ca}",
                       f"--cert={client_tls.cert}", f"--key={client_tls.key}"])
         yield server, client_tls
+
+
+# The live jobs of test_live.py and test_recovery.py: GPT-tiny, with the losses logged.
+LIVE_LOSS = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|")
+ITERS = 30
+TRAIN = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _start(cmd: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tiny_data) -> dict[int, float]:
+    """Losses of TRAIN in one process, with no layout change."""
+    from launch import losses, torchrun
+
+    return losses(torchrun("pretrain_gpt.py", 1, TRAIN))
+
+
+@pytest.fixture
+def live_job(etcd_server, client, tmp_path):
+    """A job for workers and coordinators started as processes (logs in tmp_path); all
+    are killed at the end. Yields the job's store, coordinator(name), worker(id), tmp_path."""
+    from megatron_parcae.etcd import JobStore
+
+    job = f"live-{uuid.uuid4().hex[:8]}"
+    config = tmp_path / "coordinator.yaml"
+    config.write_text(f"profile: {REPO / 'configs/profiles/gpt-tiny-cpu.json'}\ninterval-seconds: 2\n"
+                      "lookahead: 4\ngrace-seconds: 20\nlease-seconds: 2\nmax-workers: 4\nmin-workers: 2\n")
+    processes: list[subprocess.Popen] = []
+
+    def coordinator(name: str) -> subprocess.Popen:
+        p = _start([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", etcd_server.endpoint,
+                    "--job", job, "--config", str(config)], tmp_path / f"coordinator-{name}.log")
+        processes.append(p)
+        return p
+
+    def worker(worker_id: int) -> subprocess.Popen:
+        p = _start([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae", "--parcae-etcd",
+                    etcd_server.endpoint, "--parcae-job", job, "--parcae-worker-id", str(worker_id),
+                    "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5"], tmp_path / f"worker-{worker_id}.log")
+        processes.append(p)
+        return p
+
+    yield JobStore(client, job), coordinator, worker, tmp_path
+    for p in processes:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -279,7 +279,8 @@ def test_waiting_for_peers_ends_when_superseded_or_too_slow(client):
 
     store = _store(client)
     newer_plan = threading.Event()
-    world = World(0, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=30), superseded=newer_plan.is_set)
+    world = World(0, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=30),
+                  superseded=lambda peers: newer_plan.is_set() and 1 in peers)
     threading.Timer(0.3, newer_plan.set).start()
     with pytest.raises(WorldBroken, match="superseded g1/built"):
         world.sync("g1/built")  # worker 1 never comes

@@ -3,69 +3,12 @@ mid-run and started again, while a worker gets a notice and another arrives."""
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
-import uuid
-from pathlib import Path
 
-import pytest
-
-from conftest import REPO
-from launch import assert_close, losses, torchrun
+from conftest import ITERS, LIVE_LOSS
+from launch import assert_close
 from test_etcd import wait_for
 from reconfig.report import CHANGE_REPORT
-
-_LOSS = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|")
-ITERS = 40
-TRAIN = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-@pytest.fixture(scope="session")
-def uninterrupted(tiny_data) -> dict[int, float]:
-    """Losses of TRAIN in one process, with no layout change."""
-    return losses(torchrun("pretrain_gpt.py", 1, TRAIN))
-
-
-@pytest.fixture
-def live_job(etcd_server, client, tmp_path):
-    from megatron_parcae.etcd import JobStore
-
-    job = f"live-{uuid.uuid4().hex[:8]}"
-    config = tmp_path / "coordinator.yaml"
-    config.write_text(f"profile: {REPO / 'configs/profiles/gpt-tiny-cpu.json'}\ninterval-seconds: 2\n"
-                      "lookahead: 4\ngrace-seconds: 20\nlease-seconds: 2\nmax-workers: 4\nmin-workers: 2\n")
-    processes: list[subprocess.Popen] = []
-
-    def coordinator(name: str) -> subprocess.Popen:
-        p = _start([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", etcd_server.endpoint,
-                    "--job", job, "--config", str(config)], tmp_path / f"coordinator-{name}.log")
-        processes.append(p)
-        return p
-
-    def worker(worker_id: int) -> subprocess.Popen:
-        p = _start([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae", "--parcae-etcd",
-                    etcd_server.endpoint, "--parcae-job", job, "--parcae-worker-id", str(worker_id),
-                    "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5"], tmp_path / f"worker-{worker_id}.log")
-        processes.append(p)
-        return p
-
-    yield JobStore(client, job), coordinator, worker, tmp_path
-    for p in processes:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
 
 def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted):
     store, coordinator, worker, logs = live_job
@@ -105,7 +48,7 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     assert generation_at_kill + 1 in applied and max(applied) <= max(plans)
 
     # Every iteration once, and the same model as without any of this.
-    trained = [int(i) for i, _ in _LOSS.findall(text)]
+    trained = [int(i) for i, _ in LIVE_LOSS.findall(text)]
     assert sorted(trained) == list(range(1, ITERS + 1))
-    live = {int(i): float(v) for i, v in _LOSS.findall(text)}
+    live = {int(i): float(v) for i, v in LIVE_LOSS.findall(text)}
     assert_close(live, uninterrupted)

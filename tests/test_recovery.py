@@ -10,8 +10,7 @@ import time
 
 from launch import assert_close
 from test_etcd import wait_for
-from conftest import REPO
-from test_live import _LOSS, ITERS, live_job, uninterrupted  # noqa: F401 (fixtures)
+from conftest import ITERS, LIVE_LOSS, REPO
 from reconfig.report import CHANGE_REPORT
 
 LEASE_S = 5.0  # the workers' (test_live.live_job)
@@ -47,9 +46,9 @@ def _check_training(live_job, workers: dict, survivors: list[int], uninterrupted
         assert workers[w].wait(timeout=240) == 0, (logs / f"worker-{w}.log").read_text()[-3000:]
     text = "".join((logs / f"worker-{w}.log").read_text() for w in workers)
     assert store.done() is not None and store.done().iteration == ITERS
-    trained = [int(i) for i, _ in _LOSS.findall(text)]
+    trained = [int(i) for i, _ in LIVE_LOSS.findall(text)]
     assert sorted(trained) == list(range(1, ITERS + 1))
-    assert_close({int(i): float(v) for i, v in _LOSS.findall(text)}, uninterrupted)
+    assert_close({int(i): float(v) for i, v in LIVE_LOSS.findall(text)}, uninterrupted)
     return text
 
 
