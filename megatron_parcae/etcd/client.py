@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Sequence
 
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")  # before protobuf's first import
+# gRPC's fork handlers can abort a child forked while a channel reconnects (seen when
+# EtcdServer.restart() forks etcd, whose parent-death signal needs a fork, not a spawn);
+# no process here forks to use gRPC in the child.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc  # noqa: E402
 
