@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import math
 import os
+import queue
 import signal
 import socket
 import threading
@@ -55,6 +56,28 @@ class _StepWindow:
     consumed_samples: int = 0
 
 
+class _Doorbell:
+    """Wakes the agent thread; unlike `threading.Event.set()`, `ring()` is safe in a signal
+    handler. The handler runs on the main thread between two bytecodes, possibly while
+    that thread is inside `Event.set()` holding the Event's lock, and taking the lock
+    again there deadlocks the process; `SimpleQueue.put` is reentrant."""
+
+    def __init__(self) -> None:
+        self._rings: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def ring(self) -> None:
+        self._rings.put(None)
+
+    def wait(self, timeout: float) -> None:
+        """Return at the first ring since the previous wait, or after `timeout` seconds."""
+        try:
+            self._rings.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while not self._rings.empty():
+            self._rings.get_nowait()
+
+
 class ParcaeAgent:
     """Membership, preemption notices, plan delivery and step reports of one process."""
 
@@ -77,7 +100,7 @@ class ParcaeAgent:
         self._member = MemberRecord(worker_id, instance or socket.gethostname(), os.getpid(), time.time(), 0)
         self._member.encode()  # refuse a bad worker id or instance name now, not on a thread
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = _Doorbell()
         self._stopping = threading.Event()
         self._lease: KeptLease | None = None
         self._watch: Watch | None = None
@@ -135,7 +158,7 @@ class ParcaeAgent:
         if self._lease is None:
             return
         self._stopping.set()
-        self._wake.set()
+        self._wake.ring()
         if self._thread is not None:
             self._thread.join(timeout=2 * self._client.timeout)
         if self._watch is not None:
@@ -165,7 +188,7 @@ class ParcaeAgent:
             self._current = generation
             self._member = dataclasses.replace(self._member, generation=generation)
             self._member_dirty = True
-        self._wake.set()
+        self._wake.ring()
 
     def report_broken(self, generation: int, state_kept: bool) -> None:
         """Record that the WORLD of `generation` failed under this process (published in the
@@ -179,7 +202,7 @@ class ParcaeAgent:
             self._member = dataclasses.replace(self._member, generation=generation, broken=generation,
                                                state_kept=state_kept)
             self._member_dirty = True
-        self._wake.set()
+        self._wake.ring()
 
     def report_step(self, iteration: int, seconds: float, consumed_samples: int) -> None:
         """Record one measured iteration; averaged reports go to etcd about once a second."""
@@ -194,7 +217,7 @@ class ParcaeAgent:
             self._steps.consumed_samples = consumed_samples
             due = time.monotonic() - self._last_report_at >= REPORT_INTERVAL_S
         if due:
-            self._wake.set()
+            self._wake.ring()
 
     @property
     def generation(self) -> int:
@@ -226,13 +249,13 @@ class ParcaeAgent:
     def _on_sigterm(self, signum: int, frame: object) -> None:
         if self._notice_at is None:
             self._notice_at = time.time()
-        self._wake.set()
+        self._wake.ring()
 
     def _on_lease_lost(self) -> None:
         if not self._stopping.is_set():
             log.error("worker %d is fenced: its lease expired or was revoked", self.worker_id)
         self._fenced = True
-        self._wake.set()
+        self._wake.ring()
 
     def _on_generation_change(self, events: object) -> None:
         """Watch thread: fetch the plan of a newer generation and keep it for the loop."""
@@ -257,8 +280,7 @@ class ParcaeAgent:
     def _run(self) -> None:
         """Agent thread: publishes the notice, acknowledgements and step reports."""
         while not self._stopping.is_set():
-            self._wake.wait(timeout=min(REPORT_INTERVAL_S, self.lease_seconds / 3))
-            self._wake.clear()
+            self._wake.wait(min(REPORT_INTERVAL_S, self.lease_seconds / 3))
             if self._stopping.is_set() or self.fenced:
                 continue
             try:

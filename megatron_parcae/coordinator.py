@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -327,7 +328,8 @@ class Coordinator:
         return self._leadership.is_leader
 
     def stop(self) -> None:
-        """Ask `serve()` to return (safe from a signal handler or another thread)."""
+        """Ask `serve()` to return (from another thread, or a signal handler while `serve()`
+        runs on another thread)."""
         self._stopping.set()
         self._wake.set()
 
@@ -605,7 +607,11 @@ def run(args: argparse.Namespace) -> int:
     with client:
         candidate = f"{socket.gethostname()}:{os.getpid()}"
         coordinator = Coordinator(JobStore(client, args.job), config, optimizer, candidate)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: coordinator.stop())
-        coordinator.serve()
+        # serve() runs on a thread: a handler runs on the main thread between two bytecodes,
+        # and stop() there would deadlock if it interrupted serve() holding the same lock.
+        with ThreadPoolExecutor(1, thread_name_prefix="parcae-coordinator") as pool:
+            serving = pool.submit(coordinator.serve)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: coordinator.stop())
+            serving.result()
     return 0

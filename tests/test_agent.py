@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import threading
 import time
@@ -173,6 +174,48 @@ def test_sigterm_becomes_a_notice_with_a_deadline(etcd_server, client):
         child.kill()
         child.wait()
     wait_for(lambda: not store.members() and not store.notices(), 3 * LEASE_S, "the killed worker's keys to expire")
+
+
+BUSY_WORKER = """
+import sys, time
+from megatron_parcae.agent import ParcaeAgent
+from megatron_parcae.etcd import EtcdClient
+endpoint, job = sys.argv[1], sys.argv[2]
+agent = ParcaeAgent(EtcdClient(endpoint), job, worker_id=6, grace_seconds=30, lease_seconds=2)
+agent.start()
+print("ready", flush=True)
+generation, shown = 0, time.monotonic()
+while True:  # wakes the agent thread without pause, as acknowledgements and step reports do
+    generation += 1
+    agent.acknowledge(generation)
+    if time.monotonic() - shown > 0.1:
+        print(f"running {generation}", flush=True)
+        shown = time.monotonic()
+"""
+
+
+def test_sigterm_while_the_loop_wakes_the_agent_neither_deadlocks_nor_is_lost(etcd_server, client):
+    """The handler interrupts the main thread anywhere, also inside the agent's own
+    wake-up: SIGTERMs sent while the loop wakes the agent all the time are posted as
+    a notice, and the loop goes on."""
+    store = JobStore(client, new_job())
+    child = python_child(BUSY_WORKER, etcd_server.endpoint, store.keys.job)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        for _ in range(20):
+            child.send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+        wait_for(lambda: 6 in store.notices(), 10, "the notice")
+        lines = queue.SimpleQueue()  # the child's output, read on a thread: a hung child must fail the test
+        threading.Thread(target=lambda: [lines.put(line) for line in child.stdout], daemon=True).start()
+        time.sleep(0.5)
+        while not lines.empty():
+            lines.get()
+        later = int(lines.get(timeout=10).split()[1])  # queue.Empty: the loop is stuck
+        wait_for(lambda: store.members()[6].generation >= later, 10, "acknowledgements to be published")
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_stalled_worker_is_fenced_and_exits_without_writing(etcd_server, client):

@@ -160,6 +160,7 @@ def test_first_plan_covers_the_initial_members_and_a_notice_removes_a_worker(etc
 
 AGENT = """
 import sys
+import time
 from megatron_parcae.agent import ParcaeAgent
 from megatron_parcae.etcd import EtcdClient
 endpoint, job, worker = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -171,7 +172,7 @@ while True:
     if plan is not None:
         agent.acknowledge(plan.generation)
         print(f"applied {plan.generation}", flush=True)
-    agent._wake.wait(0.05)
+    time.sleep(0.05)
 """
 
 
