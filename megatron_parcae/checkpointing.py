@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from megatron_parcae.optimizer_state import (
     STATE_KEYS,
@@ -62,8 +64,25 @@ def _progress_path(directory: Path) -> Path:
     return directory / PROGRESS
 
 
+def _drop_stale_write_results() -> None:
+    """Empty megatron-core's per-process queue of write results before a save.
+
+    Its writer queues what it wrote and the save reads it back after a barrier. A save
+    that failed at that barrier (a peer died) leaves its results queued, and the next
+    save of the process would read those instead: its metadata would describe the
+    files of the failed save, and the checkpoint would not load.
+    """
+    results = filesystem_async._results_queue
+    while results is not None:
+        try:
+            results.get_nowait()
+        except queue.Empty:
+            return
+
+
 def save(root: str, runtime, progress) -> Path:
     """Save the runtime's state at `progress` (collective over all ranks)."""
+    _drop_stale_write_results()
     states = export_param_states(runtime.model, runtime.optimizer)
     sharded = {}
     for st in states:

@@ -1,0 +1,73 @@
+"""Checkpoints a failure can leave behind: a save broken by a peer's death must not spoil
+the next save of a process that recovers in place."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+from launch import SMALL_GPT
+
+# One rank. Its first save fails at the barrier after the files are written (where a
+# peer's death makes it fail), then a model of another shape is saved and loaded back.
+AFTER_A_BROKEN_SAVE = """
+import sys
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron_parcae import checkpointing
+from megatron_parcae.arguments import parse_args
+from megatron_parcae.compare import StateDifference, load_state
+from megatron_parcae.data.datasets import build_tokenizer
+from megatron_parcae.models import padded_vocab_size
+from megatron_parcae.optimizer_state import export_param_states
+from megatron_parcae.training import LayoutRuntime, Progress, prepare_device
+
+root, flags = sys.argv[1], sys.argv[2:]
+prepare_device()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+def runtime(layers):
+    args = parse_args([*flags, "--num-layers", layers], prog="test", model="gpt", world_size=1)
+    return LayoutRuntime(args, padded_vocab_size(build_tokenizer(args).vocab_size, args))
+
+def peer_died(*args, **kwargs):
+    raise dist.DistBackendError("Connection closed by peer")
+
+write_and_barrier = AsyncRequest.execute_sync
+def broken_at_the_barrier(request):
+    barrier, dist.barrier = dist.barrier, peer_died
+    try:
+        write_and_barrier(request)
+    finally:
+        dist.barrier = barrier
+
+first = runtime("4")
+AsyncRequest.execute_sync = broken_at_the_barrier
+try:
+    checkpointing.save(root, first, Progress(iteration=1, consumed_samples=8))
+    sys.exit("the save did not fail")
+except dist.DistBackendError:
+    pass
+AsyncRequest.execute_sync = write_and_barrier
+first.destroy()
+second = runtime("2")
+with torch.no_grad():
+    for p in second.model[0].parameters():
+        p.normal_()
+checkpointing.save(root, second, Progress(iteration=2, consumed_samples=16))
+saved = {s.shard.global_name: s.tensors for s in export_param_states(second.model, second.optimizer)}
+second.destroy()
+difference = StateDifference.of(load_state(root, [*flags, "--num-layers", "2"], "gpt"), saved)
+assert difference.params == 0 and difference.moments == 0, difference
+print("loaded", flush=True)
+"""
+
+
+def test_a_save_broken_by_a_peer_failure_does_not_spoil_the_next(tmp_path):
+    run = subprocess.run([sys.executable, "-c", AFTER_A_BROKEN_SAVE, str(tmp_path / "ckpt"), *SMALL_GPT],
+                         cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0 and run.stdout.strip().endswith("loaded"), f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
