@@ -3,8 +3,8 @@
     python -m benchmarks.chaos --runs 20 --json chaos.json
 
 Each run starts etcd, `parcae coordinator` and 4 to 6 workers (parcae replay's
-`ParcaeJob`, so the processes are the emulator's), with dist checkpoints every
---save-interval iterations. While it trains:
+`ParcaeJob`, so the processes are the emulator's), with asynchronous dist checkpoints
+every --save-interval iterations. While it trains:
 - workers of the layout are SIGKILLed without notice at random moments, some right after
   a plan is published (while it is being applied) and some right after a checkpoint
   iteration is logged (while it is being saved); a new worker replaces each a few seconds
@@ -197,7 +197,7 @@ def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], i
     report = RunReport(index, rng.randint(4, 6))
     fresh_workdir(workdir)
     save = workdir / "checkpoints"
-    job = ParcaeJob(SCRIPT, [*flags, "--save", str(save), "--save-interval", str(save_interval)], workdir,
+    job = ParcaeJob(SCRIPT, [*flags, "--save", str(save), "--save-interval", str(save_interval), "--async-save"], workdir,
                     PROFILE, grace_seconds=10.0, interval_seconds=2.0, max_instances=6, seed=rng.randrange(2**31))
     started = time.monotonic()
     try:

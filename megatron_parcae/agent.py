@@ -40,6 +40,7 @@ from megatron_parcae.etcd.keys import JobStore, MemberRecord, NoticeRecord, Plan
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 1.0  # step reports are averaged and published at most this often
+FENCED_EXIT = 3  # the exit code of a training process the job dropped (see `ParcaeAgent.fenced`)
 
 
 class AgentError(RuntimeError):

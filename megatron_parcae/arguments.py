@@ -113,6 +113,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints from a forked process while training goes on; a checkpoint becomes "
+                        "the newest once every rank has written it")
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -270,6 +273,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check((args.save_interval is None) or args.save_interval > 0, "--save-interval must be positive")
     _check((args.exit_interval is None) or args.exit_interval > 0, "--exit-interval must be positive")
     _check(args.save_interval is None or args.save is not None, "--save-interval needs --save")
+    _check(not args.async_save or args.save is not None, "--async-save needs --save")
     if args.load is not None:
         _check(Path(args.load).is_dir(), f"--load: no checkpoint directory {args.load}")
     _validate_data(args)

@@ -22,6 +22,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megatron_parcae.optimizer_state import (
     STATE_KEYS,
@@ -65,7 +66,7 @@ def _progress_path(directory: Path) -> Path:
 
 
 def _drop_stale_write_results() -> None:
-    """Empty megatron-core's per-process queue of write results before a save.
+    """Empty megatron-core's per-process queue of write results (no save may be in flight).
 
     Its writer queues what it wrote and the save reads it back after a barrier. A save
     that failed at that barrier (a peer died) leaves its results queued, and the next
@@ -80,36 +81,79 @@ def _drop_stale_write_results() -> None:
             return
 
 
-def save(root: str, runtime, progress) -> Path:
-    """Save the runtime's state at `progress` (collective over all ranks)."""
-    _drop_stale_write_results()
-    states = export_param_states(runtime.model, runtime.optimizer)
-    sharded = {}
-    for st in states:
-        tied = _is_tied_copy(st.shard)
-        for key in STATE_KEYS:
-            item = _sharded(st.shard, key, st.tensors[key], tied)
-            sharded[item.key] = item
-    directory = Path(root) / f"iter_{progress.iteration:07d}"
-    if dist.get_rank() == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    dist_checkpointing.save(sharded, str(directory))
-    step = step_count(runtime.optimizer)
-    dist.barrier()
-    if dist.get_rank() == 0:
+class Checkpointer:
+    """The saves of one training process, synchronous or, with `asynchronous`, written by
+    a forked process while training goes on (megatron-core's async dist checkpoints).
+
+    An asynchronous save becomes the newest checkpoint (its metadata, progress record and
+    the tracker are written) once every rank's writer is done: `poll()`, which every rank
+    calls after every iteration, finds out with one small all-reduce while a save is in
+    flight. A layout change must `finish()` it first (its collectives need the layout's
+    WORLD); a broken WORLD `abandon()`s it, and the previous checkpoint stays the newest.
+    """
+
+    def __init__(self, root: str | None, asynchronous: bool) -> None:
+        self.root = root
+        self._in_flight = AsyncCallsQueue() if asynchronous else None
+
+    def save(self, runtime, progress) -> None:
+        """Save the runtime's state at `progress` (collective over all ranks)."""
+        assert self.root is not None
+        self.finish()
+        _drop_stale_write_results()
+        states = export_param_states(runtime.model, runtime.optimizer)
+        sharded = {}
+        for st in states:
+            tied = _is_tied_copy(st.shard)
+            for key in STATE_KEYS:
+                item = _sharded(st.shard, key, st.tensors[key], tied)
+                sharded[item.key] = item
+        directory = Path(self.root) / f"iter_{progress.iteration:07d}"
+        if dist.get_rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        request = dist_checkpointing.save(sharded, str(directory), async_sharded_save=True)
         meta = {
             "iteration": progress.iteration,
             "consumed_samples": progress.consumed_samples,
-            "optimizer_step": step,
+            "optimizer_step": step_count(runtime.optimizer),
             "scheduler_num_steps": runtime.scheduler.num_steps,
             "model": {flag: getattr(runtime.args, flag) for flag in SHAPE_FLAGS},
         }
-        _write_atomically(_progress_path(directory), json.dumps(meta, indent=1))
-        _write_atomically(Path(root) / TRACKER, str(progress.iteration))
-        print(f" saved checkpoint at iteration {progress.iteration} to {root}", flush=True)
-    dist.barrier()
-    return directory
+        request.add_finalize_fn(lambda: self._record(directory, meta))
+        if self._in_flight is None:
+            request.execute_sync()
+        else:
+            self._in_flight.schedule_async_request(request)
+
+    def poll(self) -> None:
+        """Complete the save in flight if every rank's writer is done (collective while one is)."""
+        if self._in_flight is not None and self._in_flight.get_num_unfinalized_calls():
+            self._in_flight.maybe_finalize_async_calls(blocking=False)
+
+    def finish(self) -> None:
+        """Wait for the save in flight and complete it (collective while one is)."""
+        if self._in_flight is not None and self._in_flight.get_num_unfinalized_calls():
+            self._in_flight.maybe_finalize_async_calls(blocking=True)
+
+    def abandon(self) -> None:
+        """Drop the save in flight without collectives (its WORLD broke): its writer
+        finishes its files, which no metadata will name."""
+        if self._in_flight is None:
+            return
+        for call in self._in_flight.async_calls:
+            call.async_caller.close()
+        self._in_flight.async_calls.clear()
+        _drop_stale_write_results()
+
+    @staticmethod
+    def _record(directory: Path, meta: dict) -> None:
+        """Rank 0, once the checkpoint's files and metadata are written: the progress
+        record, then the tracker that makes it the newest."""
+        if dist.get_rank() == 0:
+            _write_atomically(_progress_path(directory), json.dumps(meta, indent=1))
+            _write_atomically(directory.parent / TRACKER, str(meta["iteration"]))
+            print(f" saved checkpoint at iteration {meta['iteration']} to {directory.parent}", flush=True)
 
 
 def _write_atomically(path: Path, text: str) -> None:

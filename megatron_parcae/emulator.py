@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from megatron_parcae.agent import FENCED_EXIT
 from megatron_parcae.arguments import ArgumentError, parse_args
 from reconfig.report import CHANGE_REPORT
 
@@ -124,7 +125,7 @@ class _Process:
 
     def __init__(self, cmd: list[str], log: JobLog, log_file: Path, env: dict[str, str]) -> None:
         self.log_file = log_file
-        self.preempted = False
+        self.preempted = False  # gone by the replay's doing, or fenced: not a failure
         with log_file.open("w") as out:
             out.write(" ".join(cmd) + "\n")
         self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -270,7 +271,10 @@ class ParcaeJob:
         dies on its own, not preempted: the replay would mean nothing."""
         for worker, p in self._workers.items():
             code = p.popen.poll()
-            if code not in (None, 0) and not p.preempted:
+            if code == FENCED_EXIT and not p.preempted:  # it stalled, and the job went on without it
+                p.preempted = True
+                self.log.event(f"worker {worker} fenced", len(self.alive()))
+            elif code not in (None, 0) and not p.preempted:
                 raise ReplayError(f"worker {worker} exited with {code} (log {p.log_file}):\n{p.tail()}")
         code = self._coordinator.popen.poll()
         if code not in (None, 0) and not self._coordinator.preempted:

@@ -72,6 +72,12 @@ class LiveJobError(RuntimeError):
     """This worker cannot go on; the message says why (it exits without touching the job)."""
 
 
+class WorkerFenced(LiveJobError):
+    """The job dropped this worker (its lease expired during a stall, or the coordinator
+    counted it lost): its peers went on without it. Not a failure of the job, so it exits
+    with agent.FENCED_EXIT, which launchers can tell from an error."""
+
+
 def collective_timeout(args: argparse.Namespace) -> timedelta:
     """How long a collective waits for a peer before the peer counts as failed: one lease
     period in a job that `parcae coordinator` drives (a process silent that long is lost
@@ -99,6 +105,7 @@ class LiveReconfiguration:
         self.samples_per_iteration = args.global_batch_size
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
+        self.before_change: Callable[[], None] = lambda: None  # the loop's: complete what needs this WORLD
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -119,6 +126,7 @@ class LiveReconfiguration:
         newest = torch.tensor([pending.generation if pending is not None else self.generation], dtype=torch.int64)
         dist.all_reduce(newest, op=dist.ReduceOp.MAX)
         if int(newest) > self.generation:
+            self.before_change()
             runtime, consumed_samples = self._apply_until(int(newest), runtime, consumed_samples)
             if runtime is None:
                 return self._await_plan(None, consumed_samples)
@@ -162,7 +170,7 @@ class LiveReconfiguration:
 
     def _check_membership(self) -> None:
         if self.agent.fenced:
-            raise LiveJobError(f"worker {self.world.worker} lost its membership in job {self.args.parcae_job} "
+            raise WorkerFenced(f"worker {self.world.worker} lost its membership in job {self.args.parcae_job} "
                                "(its lease expired or the coordinator dropped it); its state is no longer wanted")
 
     def _superseded(self, peers: tuple[int, ...]) -> bool:
@@ -268,7 +276,7 @@ class LiveReconfiguration:
                                "optimizer, this run is not (set distributed-optimizer in the coordinator's config "
                                "as --use-distributed-optimizer is here)")
         if runtime is not None and me not in plan.request.survivors | plan.request.leaving:
-            raise LiveJobError(f"generation {envelope.generation} counts worker {me} as lost, but it still runs")
+            raise WorkerFenced(f"generation {envelope.generation} counts worker {me} as lost, but it still runs")
         if runtime is None and me not in plan.new.workers:
             return None, consumed_samples  # not in this change
         started = time.perf_counter()

@@ -31,10 +31,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_parcae.agent import FENCED_EXIT
 from megatron_parcae.cpu import enable_cpu_support
 from megatron_parcae.data.datasets import build_tokenizer, build_train_dataset, rank_micro_batches, step_iterator
 from megatron_parcae.etcd.client import EtcdClient
-from megatron_parcae.live import LiveJobError, LiveReconfiguration, collective_timeout
+from megatron_parcae.live import LiveJobError, LiveReconfiguration, WorkerFenced, collective_timeout
 from megatron_parcae.models import build_model_chunk, padded_vocab_size, transformer_config, wrap_for_training
 from reconfig.execute import ScheduledReconfiguration
 from reconfig.tensors import unwrap
@@ -255,6 +256,9 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
         hook = LiveReconfiguration(args, vocab, LayoutRuntime, client)
     elif args.parcae_layout_schedule:
         hook = ScheduledReconfiguration(args, vocab, LayoutRuntime)
+    checkpoints = checkpointing.Checkpointer(args.save, args.async_save)
+    if hook is not None:
+        hook.before_change = checkpoints.finish  # a change releases the WORLD a save in flight needs
     finished = None
     try:
         if hook is not None:
@@ -285,7 +289,8 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                         print(format_log_line(args, progress, result, elapsed_ms), flush=True)
                     window_start, window_iters = time.perf_counter(), 0
                 if args.save_interval and progress.iteration % args.save_interval == 0:
-                    checkpointing.save(args.save, runtime, progress)
+                    checkpoints.save(runtime, progress)
+                checkpoints.poll()
                 if args.exit_interval and progress.iteration % args.exit_interval == 0:
                     break
                 if hook is None or progress.iteration == args.train_iters:
@@ -294,17 +299,19 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
             except RuntimeError as exc:
                 if not isinstance(hook, LiveReconfiguration) or not is_peer_failure(exc):
                     raise
+                checkpoints.abandon()
                 runtime, consumed = hook.recover(runtime, progress.consumed_samples, exc)
             if runtime is None:
                 return 0  # left the job
             progress = Progress(consumed // args.global_batch_size, consumed)
         if args.save and (not args.save_interval or progress.iteration % args.save_interval):
-            checkpointing.save(args.save, runtime, progress)
+            checkpoints.save(runtime, progress)
+        checkpoints.finish()
         runtime.destroy()
         finished = progress.consumed_samples
         return 0
     except LiveJobError as exc:
-        return _fail(prog, str(exc), 1)
+        return _fail(prog, str(exc), FENCED_EXIT if isinstance(exc, WorkerFenced) else 1)
     finally:
         if hook is not None:
             hook.finish(finished)

@@ -389,6 +389,7 @@ class ScheduledReconfiguration:
         self.generation = 0  # the last one this worker took part in
         self.samples_per_iteration = args.global_batch_size
         self.build: RuntimeFactory = lambda p: runtime_factory(layout_args(args, p), vocab_size)
+        self.before_change: Callable[[], None] = lambda: None  # the loop's: complete what needs this WORLD
 
     def start(self) -> tuple[Runtime | None, int]:
         """The first layout this worker is in (None: never used)."""
@@ -408,6 +409,7 @@ class ScheduledReconfiguration:
         due = next((m for m in self.migrations if m.iteration == iteration and m.generation > self.generation), None)
         if due is None:
             return runtime, consumed_samples
+        self.before_change()
         started = time.perf_counter()
         new, consumed_samples = self._run(due, runtime)
         if new is not None and dist.get_rank() == 0:

@@ -47,7 +47,7 @@ def broken_at_the_barrier(request):
 first = runtime("4")
 AsyncRequest.execute_sync = broken_at_the_barrier
 try:
-    checkpointing.save(root, first, Progress(iteration=1, consumed_samples=8))
+    checkpointing.Checkpointer(root, asynchronous=False).save(first, Progress(iteration=1, consumed_samples=8))
     sys.exit("the save did not fail")
 except dist.DistBackendError:
     pass
@@ -57,7 +57,7 @@ second = runtime("2")
 with torch.no_grad():
     for p in second.model[0].parameters():
         p.normal_()
-checkpointing.save(root, second, Progress(iteration=2, consumed_samples=16))
+checkpointing.Checkpointer(root, asynchronous=False).save(second, Progress(iteration=2, consumed_samples=16))
 saved = {s.shard.global_name: s.tensors for s in export_param_states(second.model, second.optimizer)}
 second.destroy()
 difference = StateDifference.of(load_state(root, [*flags, "--num-layers", "2"], "gpt"), saved)

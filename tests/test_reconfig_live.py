@@ -34,13 +34,14 @@ def reference(reference_run) -> dict[int, float]:
 def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, iters: int = ITERS,
                save: Path | None = None):
     extra = ["--use-distributed-optimizer"] if distributed_optimizer else []
-    extra += [] if save is None else ["--save", str(save)]
+    extra += [] if save is None else ["--save", str(save), "--save-interval", "3", "--async-save"]
     run = torchrun("pretrain_gpt.py", nproc, SMALL_GPT + layout_flags(1, pp) + extra + [
         "--train-iters", str(iters), "--parcae", "--parcae-layout-schedule", schedule], timeout=300)
     found = losses(run)
     changes = [(int(m["iteration"]), m["kind"], (int(m["tp"]), int(m["pp"]), int(m["dp"])), int(m["groups"]),
                 int(m["mib"])) for m in CHANGE_REPORT.finditer(run.stdout)]
-    return found, changes
+    saves = [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", run.stdout)]
+    return found, changes, saves
 
 
 OPTIMIZERS = pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-adam"])
@@ -49,16 +50,17 @@ OPTIMIZERS = pytest.mark.parametrize("distributed_optimizer", [False, True], ids
 @OPTIMIZERS
 def test_tensor_and_pipeline_changes_train_the_same_model(reference_run, distributed_optimizer, tmp_path):
     reference, reference_save = reference_run
-    found, changes = _scheduled(4, 2, "3:2,2,1;6:1,1,4;9:2,1,2", distributed_optimizer, save=tmp_path / "ckpt")
+    found, changes, saves = _scheduled(4, 2, "3:2,2,1;6:1,1,4;9:2,1,2", distributed_optimizer, save=tmp_path / "ckpt")
     assert [(i, layout) for i, _, layout, *_ in changes] == [(3, (2, 2, 1)), (6, (1, 1, 4)), (9, (2, 1, 2))]
     assert all(kind == "tensor" for _, kind, *_ in changes)
+    assert saves == [3, 6, 9, 12]  # each written while training went on, completed before the change
     assert_close(found, reference)
     assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(ITERS)])
 
 
 def test_intra_stage_leave_moves_nothing(reference):
     """A rank of each stage of a D=2 layout leaves; the other replica goes on alone."""
-    found, changes = _scheduled(4, 2, "3:1,2,1:leave=1,3", False, iters=6)
+    found, changes, _ = _scheduled(4, 2, "3:1,2,1:leave=1,3", False, iters=6)
     assert [(kind, layout) for _, kind, layout, *_ in changes] == [("intra-stage", (1, 2, 1))]
     assert_close(found, {i: v for i, v in reference.items() if i <= 6})
 
@@ -67,7 +69,7 @@ def test_intra_stage_leave_moves_nothing(reference):
 def test_grace_period_hand_over_then_growth(reference, distributed_optimizer):
     """Stage 1 loses both replicas with notice (they send before exiting), two workers join,
     then T changes: six processes, two of them idle until they join."""
-    found, changes = _scheduled(6, 2, "3:1,2,1:leave=2,3;6:1,2,2:join=2;9:2,2,1", distributed_optimizer)
+    found, changes, _ = _scheduled(6, 2, "3:1,2,1:leave=2,3;6:1,2,2:join=2;9:2,2,1", distributed_optimizer)
     assert [(i, kind, layout) for i, kind, layout, *_ in changes] == [
         (3, "inter-stage", (1, 2, 1)), (6, "inter-stage", (1, 2, 2)), (9, "tensor", (2, 2, 1))]
     assert_close(found, reference)
@@ -75,7 +77,7 @@ def test_grace_period_hand_over_then_growth(reference, distributed_optimizer):
 
 def test_repeated_changes_leak_no_process_groups(tiny_data):
     schedule = ";".join(f"{i}:{2 if i % 2 else 1},2,{1 if i % 2 else 2}" for i in range(1, 21))
-    found, changes = _scheduled(4, 2, schedule, False, iters=21)
+    found, changes, _ = _scheduled(4, 2, schedule, False, iters=21)
     assert len(changes) == 20 and len(found) == 21
     groups = {g for *_, g, _ in changes}
     assert len(groups) == 1, [g for *_, g, _ in changes]

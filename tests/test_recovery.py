@@ -11,6 +11,7 @@ import time
 from launch import assert_close
 from test_etcd import wait_for
 from conftest import ITERS, LIVE_LOSS, REPO
+from megatron_parcae.agent import FENCED_EXIT
 from reconfig.report import CHANGE_REPORT
 
 LEASE_S = 5.0  # the workers' (test_live.live_job)
@@ -65,7 +66,7 @@ def test_stalled_then_killed_workers_are_left_behind_in_place(live_job, uninterr
     # the collective it stalled is given up after one lease period, its lease ends too
     assert resumed_after < 2 * LEASE_S, resumed_after
     os.kill(workers[stalled].pid, signal.SIGCONT)
-    assert workers[stalled].wait(timeout=60) == 1
+    assert workers[stalled].wait(timeout=60) == FENCED_EXIT
     stalled_log = (logs / f"worker-{stalled}.log").read_text()
     assert "lost its membership" in stalled_log and "saved checkpoint" not in stalled_log
 

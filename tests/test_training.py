@@ -40,10 +40,10 @@ def test_layouts_train_the_same_model(reference, layout, distributed_optimizer):
 
 @pytest.fixture(scope="module")
 def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, dict[int, float]]:
-    """20 iterations at T1P2D1 with checkpoints at 10 and 20; the tracker names 10."""
+    """20 iterations at T1P2D1 with asynchronous checkpoints at 10 and 20; the tracker names 10."""
     save = tmp_path_factory.mktemp("resume") / "ckpt"
     full = losses(torchrun("pretrain_gpt.py", 2, SMALL_GPT + layout_flags(1, 2) + [
-        "--train-iters", "20", "--save", str(save), "--save-interval", "10", "--use-distributed-optimizer"]))
+        "--train-iters", "20", "--save", str(save), "--save-interval", "10", "--use-distributed-optimizer", "--async-save"]))
     write_tracker(save, 10)
     return save, full
 
@@ -75,7 +75,8 @@ def _fail(args: list[str], world_size: int = 1) -> str:
     (["--global-batch-size", "6", "--micro-batch-size", "2"], 2, "--global-batch-size"),
     (["--tensor-model-parallel-size", "2"], 3, "world size 3"),
     (["--data-path", "data/no-such-dataset"], 1, "--data-path"),
-], ids=["heads", "layers", "global-batch", "world-size", "data-path"])
+    (["--async-save"], 1, "--async-save needs --save"),
+], ids=["heads", "layers", "global-batch", "world-size", "data-path", "async-save"])
 def test_bad_input_fails_in_one_line(tiny_data, args, world, flag):
     assert flag in _fail(["--config", "configs/gpt-tiny.yaml", *args], world)
 
