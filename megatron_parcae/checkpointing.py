@@ -94,7 +94,10 @@ class Checkpointer:
 
     def __init__(self, root: str | None, asynchronous: bool) -> None:
         self.root = root
-        self._in_flight = AsyncCallsQueue() if asynchronous else None
+        self.asynchronous = asynchronous
+        # A queue per save: megatron-core checks that all ranks count their saves alike,
+        # and the ranks of a layout have not all saved the same number of times before.
+        self._in_flight: AsyncCallsQueue | None = None
 
     def save(self, runtime, progress) -> None:
         """Save the runtime's state at `progress` (collective over all ranks)."""
@@ -121,20 +124,22 @@ class Checkpointer:
             "model": {flag: getattr(runtime.args, flag) for flag in SHAPE_FLAGS},
         }
         request.add_finalize_fn(lambda: self._record(directory, meta))
-        if self._in_flight is None:
-            request.execute_sync()
-        else:
+        if self.asynchronous:
+            self._in_flight = AsyncCallsQueue()
             self._in_flight.schedule_async_request(request)
+        else:
+            request.execute_sync()
 
     def poll(self) -> None:
         """Complete the save in flight if every rank's writer is done (collective while one is)."""
-        if self._in_flight is not None and self._in_flight.get_num_unfinalized_calls():
-            self._in_flight.maybe_finalize_async_calls(blocking=False)
+        if self._in_flight is not None and self._in_flight.maybe_finalize_async_calls(blocking=False):
+            self._in_flight = None
 
     def finish(self) -> None:
         """Wait for the save in flight and complete it (collective while one is)."""
-        if self._in_flight is not None and self._in_flight.get_num_unfinalized_calls():
+        if self._in_flight is not None:
             self._in_flight.maybe_finalize_async_calls(blocking=True)
+            self._in_flight = None  # kept on failure: abandon() must wait for its writer
 
     def abandon(self) -> None:
         """Drop the save in flight without collectives (its WORLD broke): its writer
@@ -143,7 +148,7 @@ class Checkpointer:
             return
         for call in self._in_flight.async_calls:
             call.async_caller.close()
-        self._in_flight.async_calls.clear()
+        self._in_flight = None
         _drop_stale_write_results()
 
     @staticmethod

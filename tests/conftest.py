@@ -118,8 +118,9 @@ def uninterrupted(tiny_data) -> dict[int, float]:
 
 @pytest.fixture
 def live_job(etcd_server, client, tmp_path):
-    """A job for workers and coordinators started as processes (logs in tmp_path); all
-    are killed at the end. Yields the job's store, coordinator(name), worker(id), tmp_path."""
+    """A job for workers and coordinators started as processes (logs in tmp_path; the
+    workers save asynchronously every 4 iterations, joiners too); all are killed at the
+    end. Yields the job's store, coordinator(name), worker(id), tmp_path."""
     from megatron_parcae.etcd import JobStore
 
     job = f"live-{uuid.uuid4().hex[:8]}"
@@ -137,7 +138,9 @@ def live_job(etcd_server, client, tmp_path):
     def worker(worker_id: int) -> subprocess.Popen:
         p = _start([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae", "--parcae-etcd",
                     etcd_server.endpoint, "--parcae-job", job, "--parcae-worker-id", str(worker_id),
-                    "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5"], tmp_path / f"worker-{worker_id}.log")
+                    "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5",
+                    "--save", str(tmp_path / "checkpoints"), "--save-interval", "4", "--async-save"],
+                   tmp_path / f"worker-{worker_id}.log")
         processes.append(p)
         return p
 
