@@ -13,6 +13,7 @@ background threads and the loop only reads and writes in-memory state:
             ...apply plan.layout / plan.migration at this iteration boundary...
             agent.acknowledge(plan.generation)
         ...one iteration...
+        agent.record_progress(iteration, consumed_samples)  # rank 0: the one synchronous write
         agent.report_step(iteration, seconds, consumed_samples)
     agent.stop()                           # deregisters: the member key disappears at once
 
@@ -35,7 +36,15 @@ import threading
 import time
 
 from megatron_parcae.etcd.client import EtcdClient, EtcdError, KeptLease, Watch
-from megatron_parcae.etcd.keys import JobStore, MemberRecord, NoticeRecord, PlanEnvelope, SchemaError, StepReport
+from megatron_parcae.etcd.keys import (
+    JobStore,
+    MemberRecord,
+    NoticeRecord,
+    PlanEnvelope,
+    ProgressRecord,
+    SchemaError,
+    StepReport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +124,8 @@ class ParcaeAgent:
         self._notice_posted = False
         self._steps = _StepWindow()
         self._last_report_at = -math.inf
+        self._progress: ProgressRecord | None = None  # the newest one not yet written
+        self._progress_lock = threading.Lock()  # records are written one at a time, in order
         self.last_error: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------
@@ -220,6 +231,24 @@ class ParcaeAgent:
         if due:
             self._wake.ring()
 
+    def record_progress(self, iteration: int, consumed_samples: int) -> None:
+        """Record how far training got (the running layout's rank 0, after each step).
+
+        Unlike the rest, this is written at once on the caller's thread: a restart from a
+        checkpoint must know exactly which steps it loses, also when every process that
+        trained them dies right after. While etcd does not answer, the agent thread
+        writes the newest record once it does.
+        """
+        with self._lock:
+            self._progress = ProgressRecord(self._current, iteration, consumed_samples, time.time())
+        try:
+            written = self._publish_progress()
+        except (EtcdError, SchemaError):
+            self._wake.ring()
+            return
+        if not written:
+            self._on_lease_lost()
+
     @property
     def generation(self) -> int:
         """The generation this process runs."""
@@ -312,5 +341,22 @@ class ParcaeAgent:
                 self._last_report_at = time.monotonic()
         if published and report is not None:
             published = self._store.report_step(report, lease)
+        if published:
+            published = self._publish_progress()
         if not published:  # the member key is no longer on our lease
             self._on_lease_lost()
+
+    def _publish_progress(self) -> bool:
+        """Write the newest unwritten progress record; False if no longer a member."""
+        assert self._lease is not None
+        with self._progress_lock:
+            with self._lock:
+                record = self._progress
+            if record is None:
+                return True
+            if not self._store.record_progress(record, self.worker_id, self._lease.id):
+                return False
+            with self._lock:
+                if self._progress is record:
+                    self._progress = None
+            return True

@@ -133,6 +133,11 @@ class LiveReconfiguration:
         self._last_boundary = time.perf_counter()
         return runtime, consumed_samples
 
+    def trained(self, consumed_samples: int) -> None:
+        """A step was applied (before it is logged): rank 0 records how far the job got."""
+        if dist.get_rank() == 0:
+            self.agent.record_progress(consumed_samples // self.samples_per_iteration, consumed_samples)
+
     def recover(self, runtime: Runtime, consumed_samples: int, error: BaseException) -> tuple[Runtime | None, int]:
         """A collective of the running layout failed (a peer died or stalled): report it,
         keep this worker's state and apply the coordinator's next plan."""
@@ -298,7 +303,14 @@ class LiveReconfiguration:
             self.world.leave()
             return None, consumed_samples
         self.world.reform(layout.slots, f"g{generation}")
-        known = torch.tensor([consumed_samples], dtype=torch.int64)
+        # How far training got: what these workers know, or the job's record if further
+        # (the workers that trained the last steps may all be gone).
+        try:
+            recorded = self._etcd("read the job's progress", self.store.progress)
+        except SchemaError as exc:
+            print(f" worker {self.world.worker}: ignoring the job's progress record: {exc}", flush=True)
+            recorded = None
+        known = torch.tensor([max(consumed_samples, recorded.consumed_samples if recorded else 0)], dtype=torch.int64)
         dist.all_reduce(known, op=dist.ReduceOp.MAX)
         runtime = self.build(layout.parallelism)
         source = next((d for d in (self.args.save, self.args.load)
@@ -311,6 +323,7 @@ class LiveReconfiguration:
             raise
         if dist.get_rank() == 0:
             gbs = self.samples_per_iteration
+            self.agent.record_progress(consumed_samples // gbs, consumed_samples)  # training goes back to here
             print(restart_line(generation, consumed_samples // gbs, layout.parallelism, source or "the seed",
                                max(0, int(known) - consumed_samples) // gbs, time.perf_counter() - started), flush=True)
         return runtime, consumed_samples

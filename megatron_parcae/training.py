@@ -282,6 +282,8 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                 result = runtime.train_step(dataset, progress, report)
                 progress.iteration += 1  # the step is applied: what fails from here on keeps it
                 progress.consumed_samples += args.global_batch_size
+                if isinstance(hook, LiveReconfiguration):
+                    hook.trained(progress.consumed_samples)
                 window_iters += 1
                 if report:
                     elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters

@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from torch.distributed import distributed_c10d
 
 # parallel_state's module state: groups, rank lists, cached sizes and ranks (all None
 # before the first initialize_model_parallel, one dict of groups).
@@ -102,6 +103,10 @@ class World:
         self.members = members if self.worker in members else ()
         if self.members:
             self.sync(f"{key}/arrived")
+            # torch names groups by a per-process count (store keys `<count>/...`) that it
+            # resets when WORLD is destroyed; a WORLD whose creation failed (a peer never
+            # came) counted one anyway, and peers that count differently never meet.
+            distributed_c10d._world.group_count = 0
             dist.init_process_group(self._backend, store=dist.PrefixStore(f"parcae/{key}/", self._store),
                                     rank=members.index(self.worker), world_size=len(members),
                                     timeout=self.collective_timeout)

@@ -102,6 +102,19 @@ def test_coordinator_can_fence_a_worker(job_agent):
     assert store.members() == {} and store.step_reports() == {}
 
 
+def test_progress_is_written_at_once_outlives_the_worker_and_not_by_a_fenced_one(job_agent):
+    agent, store = job_agent
+    assert store.publish_plan(envelope(1, [3]))
+    agent.acknowledge(1)
+    agent.record_progress(3, 24)  # no wait: it is in etcd when the call returns
+    assert store.progress().to_dict() | {"recorded_at": 0} == {"generation": 1, "iteration": 3,
+                                                               "consumed_samples": 24, "recorded_at": 0}
+    assert store.fence_member(3)
+    agent.record_progress(4, 32)
+    assert agent.fenced and store.progress().iteration == 3
+    assert store.members() == {} and store.progress().consumed_samples == 24  # no lease holds it
+
+
 def test_duplicate_worker_id_is_refused(job_agent, client):
     agent, store = job_agent
     twin = ParcaeAgent(client, store.keys.job, 3, GRACE_S, lease_seconds=1)

@@ -33,7 +33,7 @@ from megatron_parcae.etcd import (
     PlanEnvelope,
     SchemaError,
 )
-from megatron_parcae.etcd.keys import MemberRecord, NoticeRecord, StepReport
+from megatron_parcae.etcd.keys import MemberRecord, NoticeRecord, ProgressRecord, StepReport
 from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationRequest, plan_migration
 
@@ -196,6 +196,8 @@ def test_plan_decoder_fuzz_gives_only_clear_errors(data):
 def test_record_decoder_fuzz_on_raw_bytes(raw):
     with pytest.raises(SchemaError):
         NoticeRecord.decode(raw, "/parcae/fuzz/notices/1")
+    with pytest.raises(SchemaError):
+        ProgressRecord.decode(raw, "/parcae/fuzz/progress")
 
 
 # -- generation fencing --------------------------------------------------------------------

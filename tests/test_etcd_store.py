@@ -296,3 +296,22 @@ def test_waiting_for_peers_ends_when_superseded_or_too_slow(client):
     late.start()
     both[0].sync("g3/built")  # returns once worker 1 has come too
     late.join()
+
+
+def test_a_world_that_failed_to_form_leaves_group_names_as_its_peers_count_them(client):
+    """A peer that arrived and died before WORLD formed makes init_process_group time out
+    here; the next WORLD must still name its groups from 0 as every fresh peer does (the
+    store keys of a group start with its name), or the two never meet."""
+    from reconfig.world import World
+
+    store = _store(client)
+    world = World(0, (), store, "gloo", collective_timeout=timedelta(seconds=1))
+    dist.PrefixStore("parcae/g1/arrived/", store).add("count", 1)  # worker 1 arrived, then died
+    with pytest.raises(RuntimeError):
+        world.reform((0, 1), "g1")
+    assert not dist.is_initialized()
+    world.reform((0,), "g2")
+    try:
+        assert dist.group.WORLD.group_name == "0"
+    finally:
+        world.leave()

@@ -211,6 +211,21 @@ class DoneRecord(Record):
 
 
 @dataclass(frozen=True)
+class ProgressRecord(Record):
+    """How far the job's training got: the running layout's rank 0 writes it after every
+    step and after a restart. It outlives the workers, so a restart from a checkpoint can
+    tell the steps it lost even when every worker that trained them is gone."""
+
+    generation: int
+    iteration: int
+    consumed_samples: int
+    recorded_at: float
+
+    SCHEMA = {"generation": Field(int, 1, MAX_GENERATION), "iteration": Field(int, 0, 2**53),
+              "consumed_samples": Field(int, 0, 2**53), "recorded_at": _TIME}
+
+
+@dataclass(frozen=True)
 class StepReport(Record):
     """Measured training step time of one worker: mean `seconds` over the last `window` steps."""
 
@@ -334,6 +349,10 @@ class JobKeys:
     @property
     def done(self) -> str:
         return self.prefix + "done"
+
+    @property
+    def progress(self) -> str:
+        return self.prefix + "progress"
 
     @property
     def store(self) -> str:
@@ -469,6 +488,16 @@ class JobStore:
         return self.client.txn([previous, *guard], writes).succeeded
 
     # -- end of training -------------------------------------------------------------
+
+    def record_progress(self, record: ProgressRecord, worker_id: int, lease: int) -> bool:
+        """Write how far training got, if `worker_id` is still a member on `lease`; the
+        record itself is on no lease (it must outlive every worker)."""
+        guard = Compare(self.keys.member(worker_id), "lease", "==", lease)
+        return self.client.txn([guard], [Put(self.keys.progress, record.encode())]).succeeded
+
+    def progress(self) -> ProgressRecord | None:
+        kv = self.client.get(self.keys.progress)
+        return None if kv is None else ProgressRecord.decode(kv.value, kv.key)
 
     def mark_done(self, record: DoneRecord) -> bool:
         """Record that training ended; the first record stays. Returns whether this one was written."""
