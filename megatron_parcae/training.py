@@ -276,9 +276,17 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
             if dist.get_rank() == 0:
                 print(f" loaded checkpoint {args.load} at iteration {progress.iteration}", flush=True)
         window_start, window_iters = time.perf_counter(), 0
-        while progress.iteration < args.train_iters:
-            report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
+        exit_at = None  # the iteration --exit-interval stops at, once reached
+        while True:
             try:
+                if progress.iteration >= args.train_iters or progress.iteration == exit_at:
+                    # The final save, inside the loop: a peer that dies during it is
+                    # recovered from like one that dies in a step, and the save is redone.
+                    if args.save and (not args.save_interval or progress.iteration % args.save_interval):
+                        checkpoints.save(runtime, progress)
+                    checkpoints.finish()
+                    break
+                report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
                 result = runtime.train_step(dataset, progress, report)
                 progress.iteration += 1  # the step is applied: what fails from here on keeps it
                 progress.consumed_samples += args.global_batch_size
@@ -294,8 +302,8 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                     checkpoints.save(runtime, progress)
                 checkpoints.poll()
                 if args.exit_interval and progress.iteration % args.exit_interval == 0:
-                    break
-                if hook is None or progress.iteration == args.train_iters:
+                    exit_at = progress.iteration
+                if hook is None or progress.iteration in (args.train_iters, exit_at):
                     continue
                 runtime, consumed = hook.advance(runtime, progress.consumed_samples)  # the boundary between steps
             except RuntimeError as exc:
@@ -306,9 +314,6 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
             if runtime is None:
                 return 0  # left the job
             progress = Progress(consumed // args.global_batch_size, consumed)
-        if args.save and (not args.save_interval or progress.iteration % args.save_interval):
-            checkpoints.save(runtime, progress)
-        checkpoints.finish()
         runtime.destroy()
         finished = progress.consumed_samples
         return 0
