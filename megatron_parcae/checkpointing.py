@@ -95,6 +95,7 @@ class Checkpointer:
     def __init__(self, root: str | None, asynchronous: bool) -> None:
         self.root = root
         self.asynchronous = asynchronous
+        self.newest: int | None = None  # the iteration of the last save this process completed
         # A queue per save: megatron-core checks that all ranks count their saves alike,
         # and the ranks of a layout have not all saved the same number of times before.
         self._in_flight: AsyncCallsQueue | None = None
@@ -141,6 +142,13 @@ class Checkpointer:
             self._in_flight.maybe_finalize_async_calls(blocking=True)
             self._in_flight = None  # kept on failure: abandon() must wait for its writer
 
+    def behind(self, iteration: int) -> bool:
+        """Whether a rank has no completed save at `iteration` (collective): a save of that
+        iteration may have been abandoned, or a rank joined since."""
+        missing = torch.tensor([int(self.newest != iteration)])
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+        return bool(missing)
+
     def abandon(self) -> None:
         """Drop the save in flight without collectives (its WORLD broke): its writer
         finishes its files, which no metadata will name."""
@@ -151,10 +159,10 @@ class Checkpointer:
         self._in_flight = None
         _drop_stale_write_results()
 
-    @staticmethod
-    def _record(directory: Path, meta: dict) -> None:
-        """Rank 0, once the checkpoint's files and metadata are written: the progress
+    def _record(self, directory: Path, meta: dict) -> None:
+        """Once the checkpoint's files and metadata are written, rank 0 writes the progress
         record, then the tracker that makes it the newest."""
+        self.newest = meta["iteration"]
         if dist.get_rank() == 0:
             _write_atomically(_progress_path(directory), json.dumps(meta, indent=1))
             _write_atomically(directory.parent / TRACKER, str(meta["iteration"]))

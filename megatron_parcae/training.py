@@ -281,10 +281,12 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
             try:
                 if progress.iteration >= args.train_iters or progress.iteration == exit_at:
                     # The final save, inside the loop: a peer that dies during it is
-                    # recovered from like one that dies in a step, and the save is redone.
-                    if args.save and (not args.save_interval or progress.iteration % args.save_interval):
-                        checkpoints.save(runtime, progress)
+                    # recovered from like one that dies in a step, and the save is redone
+                    # (also one of this iteration's interval that was abandoned).
                     checkpoints.finish()
+                    if args.save and checkpoints.behind(progress.iteration):
+                        checkpoints.save(runtime, progress)
+                        checkpoints.finish()
                     break
                 report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
                 result = runtime.train_step(dataset, progress, report)

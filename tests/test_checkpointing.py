@@ -1,5 +1,6 @@
 """Checkpoints a failure can leave behind: a save broken by a peer's death must not spoil
-the next save of a process that recovers in place."""
+the next save of a process that recovers in place, and an abandoned asynchronous save is
+not taken for a written one."""
 
 from __future__ import annotations
 
@@ -59,6 +60,14 @@ with torch.no_grad():
         p.normal_()
 checkpointing.Checkpointer(root, asynchronous=False).save(second, Progress(iteration=2, consumed_samples=16))
 saved = {s.shard.global_name: s.tensors for s in export_param_states(second.model, second.optimizer)}
+# An asynchronous save abandoned (its WORLD broke) is not the newest, and counts as missing.
+saves = checkpointing.Checkpointer(root, asynchronous=True)
+saves.save(second, Progress(iteration=3, consumed_samples=24))
+saves.abandon()
+assert saves.behind(3) and checkpointing.read_progress(root)[1]["iteration"] == 2
+saves.save(second, Progress(iteration=3, consumed_samples=24))
+saves.finish()
+assert not saves.behind(3) and checkpointing.read_progress(root)[1]["iteration"] == 3
 second.destroy()
 difference = StateDifference.of(load_state(root, [*flags, "--num-layers", "2"], "gpt"), saved)
 assert difference.params == 0 and difference.moments == 0, difference
