@@ -231,8 +231,9 @@ class ParcaeAgent:
         if due:
             self._wake.ring()
 
-    def record_progress(self, iteration: int, consumed_samples: int) -> None:
-        """Record how far training got (the running layout's rank 0, after each step).
+    def record_progress(self, iteration: int, consumed_samples: int, generation: int | None = None) -> None:
+        """Record how far training got (the running layout's rank 0, after each step, and
+        a restart, which passes its plan's `generation`: it is not acknowledged yet).
 
         Unlike the rest, this is written at once on the caller's thread: a restart from a
         checkpoint must know exactly which steps it loses, also when every process that
@@ -240,7 +241,8 @@ class ParcaeAgent:
         writes the newest record once it does.
         """
         with self._lock:
-            self._progress = ProgressRecord(self._current, iteration, consumed_samples, time.time())
+            self._progress = ProgressRecord(self._current if generation is None else generation, iteration,
+                                            consumed_samples, time.time())
         try:
             written = self._publish_progress()
         except (EtcdError, SchemaError):

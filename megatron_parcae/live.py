@@ -50,6 +50,7 @@ from reconfig.execute import (
     HeldState,
     MigrationError,
     Runtime,
+    built_layout,
     change_report,
     export_held_state,
     hand_over,
@@ -76,6 +77,11 @@ class WorkerFenced(LiveJobError):
     """The job dropped this worker (its lease expired during a stall, or the coordinator
     counted it lost): its peers went on without it. Not a failure of the job, so it exits
     with agent.FENCED_EXIT, which launchers can tell from an error."""
+
+
+def _is_running(runtime: Runtime | HeldState | None) -> bool:
+    """Whether this worker runs a layout (not just holds state it took out of a broken one)."""
+    return runtime is not None and not isinstance(runtime, HeldState)
 
 
 def collective_timeout(args: argparse.Namespace) -> timedelta:
@@ -233,7 +239,7 @@ class LiveReconfiguration:
                 time.sleep(STANDBY_POLL_SECONDS)
                 continue
             runtime, consumed_samples = self._apply_until(pending.generation, runtime, consumed_samples)
-            if runtime is not None and not isinstance(runtime, HeldState):
+            if _is_running(runtime):
                 self._last_boundary = None  # the next step is the first of a new layout: not a measured one
                 return runtime, consumed_samples
 
@@ -248,7 +254,7 @@ class LiveReconfiguration:
             except RuntimeError as exc:
                 if isinstance(exc, LiveJobError) or not (isinstance(exc, MigrationError) or is_peer_failure(exc)):
                     raise
-                if runtime is not None and not isinstance(runtime, HeldState):
+                if _is_running(runtime):
                     release_runtime(runtime)  # already done unless the failure came first
                 self.generation = generation
                 self._report_broken(generation, consumed_samples, exc, state_kept=False)
@@ -285,7 +291,7 @@ class LiveReconfiguration:
         if runtime is None and me not in plan.new.workers:
             return None, consumed_samples  # not in this change
         started = time.perf_counter()
-        held = runtime if runtime is None or isinstance(runtime, HeldState) else hand_over(runtime)
+        held = hand_over(runtime) if _is_running(runtime) else runtime
         runtime, consumed_samples = migrate(plan, envelope.generation, self.world, held, self.build,
                                             consumed_samples)
         if runtime is not None and dist.get_rank() == 0:
@@ -297,7 +303,7 @@ class LiveReconfiguration:
                  consumed_samples: int) -> tuple[Runtime | None, int]:
         """Build `layout` from the newest checkpoint (or the seed): nothing to migrate from."""
         started = time.perf_counter()
-        if runtime is not None and not isinstance(runtime, HeldState):
+        if _is_running(runtime):
             release_runtime(runtime)
         if self.world.worker not in layout.workers:
             self.world.leave()
@@ -312,18 +318,13 @@ class LiveReconfiguration:
             recorded = None
         known = torch.tensor([max(consumed_samples, recorded.consumed_samples if recorded else 0)], dtype=torch.int64)
         dist.all_reduce(known, op=dist.ReduceOp.MAX)
-        runtime = self.build(layout.parallelism)
         source = next((d for d in (self.args.save, self.args.load)
                        if d is not None and (Path(d) / checkpointing.TRACKER).is_file()), None)
-        try:
-            self.world.sync(f"g{generation}/built")
+        with built_layout(self.build, layout.parallelism, self.world, generation) as runtime:
             consumed_samples = 0 if source is None else checkpointing.load(source, runtime).consumed_samples
-        except BaseException:
-            release_runtime(runtime)  # its groups would block the next layout's
-            raise
         if dist.get_rank() == 0:
             gbs = self.samples_per_iteration
-            self.agent.record_progress(consumed_samples // gbs, consumed_samples)  # training goes back to here
+            self.agent.record_progress(consumed_samples // gbs, consumed_samples, generation)  # training goes back here
             print(restart_line(generation, consumed_samples // gbs, layout.parallelism, source or "the seed",
                                max(0, int(known) - consumed_samples) // gbs, time.perf_counter() - started), flush=True)
         return runtime, consumed_samples

@@ -10,6 +10,7 @@ consumed samples) and the model's state itself.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -257,6 +258,10 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
     elif args.parcae_layout_schedule:
         hook = ScheduledReconfiguration(args, vocab, LayoutRuntime)
     checkpoints = checkpointing.Checkpointer(args.save, args.async_save)
+    # All built so far lives as long as the process. Out of the cyclic collector's sight,
+    # it is not scanned again by the full collection each layout change makes to free the
+    # old layout (reconfig.execute.release_runtime): 3-7 ms instead of 0.3-0.9 s on CPU.
+    gc.freeze()
     if hook is not None:
         hook.before_change = checkpoints.finish  # a change releases the WORLD a save in flight needs
     finished = None

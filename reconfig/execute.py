@@ -19,7 +19,8 @@ import argparse
 import gc
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Protocol
@@ -262,6 +263,20 @@ def release_runtime(runtime: Runtime) -> None:
     gc.collect()  # DDP hooks keep the old model in reference cycles
 
 
+@contextmanager
+def built_layout(build: RuntimeFactory, parallelism: Parallelism, world: World, generation: int) -> Iterator[Runtime]:
+    """Build a layout once every member has (the first collectives of training then wait
+    for no slow build); if filling it with state fails, release it: its groups would
+    block the next layout's."""
+    runtime = build(parallelism)
+    try:
+        world.sync(f"g{generation}/built")
+        yield runtime
+    except BaseException:
+        release_runtime(runtime)
+        raise
+
+
 def export_held_state(runtime: Runtime) -> HeldState:
     """This worker's state before its layout is dropped (collective over the old DP group)."""
     states = export_param_states(runtime.model, runtime.optimizer)
@@ -320,16 +335,11 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
         return None, consumed_samples
     if world.members != new_slots:
         world.reform(new_slots, f"g{generation}/layout")
-    new_runtime = build(plan.new.parallelism)
-    try:
-        world.sync(f"g{generation}/built")  # the first collectives of training then wait for no slow build
+    with built_layout(build, plan.new.parallelism, world, generation) as new_runtime:
         initialize_optimizer_states(new_runtime.optimizer)
         sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
         states = _assemble(new_runtime, held, received, sharded)
         import_param_states(new_runtime.model, new_runtime.optimizer, states, step)
-    except BaseException:
-        release_runtime(new_runtime)  # its groups would block the next layout's
-        raise
     new_runtime.scheduler.num_steps = consumed_samples
     new_runtime.scheduler.step(increment=0)
     return new_runtime, consumed_samples

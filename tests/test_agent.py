@@ -105,6 +105,8 @@ def test_coordinator_can_fence_a_worker(job_agent):
 def test_progress_is_written_at_once_outlives_the_worker_and_not_by_a_fenced_one(job_agent):
     agent, store = job_agent
     assert store.publish_plan(envelope(1, [3]))
+    agent.record_progress(2, 16, generation=1)  # a restart records before it acknowledges its plan
+    assert store.progress().generation == 1 and store.progress().iteration == 2
     agent.acknowledge(1)
     agent.record_progress(3, 24)  # no wait: it is in etcd when the call returns
     assert store.progress().to_dict() | {"recorded_at": 0} == {"generation": 1, "iteration": 3,
