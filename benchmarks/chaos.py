@@ -9,11 +9,12 @@ every --save-interval iterations. While it trains:
   a plan is published (while it is being applied) and some right after a checkpoint
   iteration is logged (while it is being saved); a new worker replaces each a few seconds
   later (a new instance);
-- the coordinator is SIGKILLed once and started again;
-- etcd is restarted once.
+- the coordinator is SIGKILLed once and started again, and etcd is restarted once, each
+  at a random moment, at the latest a quarter (the coordinator) or half (etcd) of the way
+  through training: a run that trains fast still sees both.
 
 Then it checks what acceptance 1 of issue 7 asks:
-- every run finishes;
+- every run finishes, having had its coordinator and etcd restarts;
 - the consumed-sample log: each logged iteration consumed exactly its own samples, none
   is skipped, and the iterations logged twice are exactly the lost steps the restarts
   reported;
@@ -74,8 +75,8 @@ class RunReport:
 
     @property
     def passed(self) -> bool:
-        return (self.finished and not self.sample_problems and self.difference is not None
-                and self.difference.params <= TOLERANCE)
+        return (self.finished and self.error is None and not self.sample_problems
+                and self.difference is not None and self.difference.params <= TOLERANCE)
 
 
 def check_samples(trained: list[tuple[int, int]], global_batch: int, iterations: int,
@@ -103,7 +104,7 @@ class Chaos:
     """The disruptions of one run, driven from the benchmark's loop (see the module docstring)."""
 
     def __init__(self, job: ParcaeJob, store: JobStore, rng: random.Random, report: RunReport,
-                 save_interval: int, max_kills: int) -> None:
+                 iterations: int, save_interval: int, max_kills: int) -> None:
         self.job, self.store, self.rng, self.report = job, store, rng, report
         self.save_interval, self.max_kills = save_interval, max_kills
         self.started = time.monotonic()
@@ -113,22 +114,26 @@ class Chaos:
         self.trigger_mark = 0
         self.replace_at: float | None = None
         self.coordinator_down_at = rng.uniform(12, 40)
+        self.coordinator_down_by = max(1, iterations // 4)  # the iteration it happens at, at the latest
         self.coordinator_up_at: float | None = None
         self.etcd_restart_at = rng.uniform(15, 50)
+        self.etcd_restart_by = max(1, iterations // 2)
 
     def tick(self) -> None:
         now = time.monotonic() - self.started
+        iteration = self.job.log.iteration
         if self.replace_at is not None and now >= self.replace_at:
             self.job.resize(self.report.workers)
             self.replace_at = None
-        if self.coordinator_down_at is not None and now >= self.coordinator_down_at:
+        if self.coordinator_down_at is not None and (now >= self.coordinator_down_at
+                                                     or iteration >= self.coordinator_down_by):
             self.job.kill_coordinator()
             self.coordinator_down_at, self.coordinator_up_at = None, now + self.rng.uniform(2, 6)
         if self.coordinator_up_at is not None and now >= self.coordinator_up_at:
             self.job.start_coordinator()
             self.coordinator_up_at = None
             self.report.coordinator_restarts += 1
-        if self.etcd_restart_at is not None and now >= self.etcd_restart_at:
+        if self.etcd_restart_at is not None and (now >= self.etcd_restart_at or iteration >= self.etcd_restart_by):
             self.job.restart_etcd()
             self.etcd_restart_at = None
             self.report.etcd_restarts += 1
@@ -202,7 +207,7 @@ def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], i
     started = time.monotonic()
     try:
         with EtcdClient(job.endpoint, timeout=5) as client:
-            chaos = Chaos(job, JobStore(client, job.job), rng, report, save_interval, max_kills)
+            chaos = Chaos(job, JobStore(client, job.job), rng, report, iterations, save_interval, max_kills)
             job.resize(report.workers)
             while not job.check():
                 if time.monotonic() - started > RUN_LIMIT_S:
@@ -210,6 +215,9 @@ def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], i
                 chaos.tick()
                 time.sleep(0.05)
         report.finished = True
+        if (report.coordinator_restarts, report.etcd_restarts) != (1, 1):
+            report.error = (f"training ended after {report.coordinator_restarts} coordinator restarts and "
+                            f"{report.etcd_restarts} etcd restarts, not one of each")
     except (ReplayError, EtcdError) as exc:
         report.error = str(exc)[-2000:]
     finally:

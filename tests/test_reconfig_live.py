@@ -38,8 +38,8 @@ def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, 
     run = torchrun("pretrain_gpt.py", nproc, SMALL_GPT + layout_flags(1, pp) + extra + [
         "--train-iters", str(iters), "--parcae", "--parcae-layout-schedule", schedule], timeout=300)
     found = losses(run)
-    changes = [(int(m["iteration"]), m["kind"], (int(m["tp"]), int(m["pp"]), int(m["dp"])), int(m["groups"]),
-                int(m["mib"])) for m in CHANGE_REPORT.finditer(run.stdout)]
+    changes = [(int(m["iteration"]), m["kind"], (int(m["tp"]), int(m["pp"]), int(m["dp"])), int(m["bytes"]),
+                int(m["groups"]), int(m["mib"])) for m in CHANGE_REPORT.finditer(run.stdout)]
     saves = [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", run.stdout)]
     return found, changes, saves
 
@@ -58,11 +58,16 @@ def test_tensor_and_pipeline_changes_train_the_same_model(reference_run, distrib
     assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(ITERS)])
 
 
-def test_intra_stage_leave_moves_nothing(reference):
-    """A rank of each stage of a D=2 layout leaves; the other replica goes on alone."""
-    found, changes, _ = _scheduled(4, 2, "3:1,2,1:leave=1,3", False, iters=6)
-    assert [(kind, layout) for _, kind, layout, *_ in changes] == [("intra-stage", (1, 2, 1))]
-    assert_close(found, {i: v for i, v in reference.items() if i <= 6})
+def test_pipeline_deepens_and_back_then_intra_stage_leave_moves_nothing(reference_run, tmp_path):
+    """P 2 -> 4 -> 2, then a rank of each stage of the D=2 layout leaves and the other
+    replica goes on alone, with no model state moved."""
+    reference, reference_save = reference_run
+    found, changes, _ = _scheduled(4, 2, "3:1,4,1;6:1,2,2;9:1,2,1:leave=1,3", False, save=tmp_path / "ckpt")
+    assert [(kind, layout) for _, kind, layout, *_ in changes] == [
+        ("pipeline", (1, 4, 1)), ("pipeline", (1, 2, 2)), ("intra-stage", (1, 2, 1))]
+    assert changes[1][3] > 0 and changes[2][3] == 0  # P 4 -> 2 moves layers; intra-stage nothing
+    assert_close(found, reference)
+    assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(ITERS)])
 
 
 @OPTIMIZERS
