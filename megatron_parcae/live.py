@@ -307,7 +307,9 @@ class LiveReconfiguration:
             release_runtime(runtime)
         if self.world.worker not in layout.workers:
             self.world.leave()
-            return None, consumed_samples
+            # Training goes back to a checkpoint without this worker: what it knew is no
+            # longer how far the job got, and would overstate what a later restart loses.
+            return None, 0
         self.world.reform(layout.slots, f"g{generation}")
         # How far training got: what these workers know, or the job's record if further
         # (the workers that trained the last steps may all be gone).

@@ -108,6 +108,16 @@ class LayoutRuntime:
 
     def __init__(self, args: argparse.Namespace, vocab_size: int) -> None:
         self.args = args
+        try:
+            self._build(vocab_size)
+        except BaseException:
+            # A peer lost while the groups form: what was built would make the next
+            # layout's initialize_model_parallel refuse ("already initialized").
+            release_parallel_state()
+            raise
+
+    def _build(self, vocab_size: int) -> None:
+        args = self.args
         ps.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             pipeline_model_parallel_size=args.pipeline_model_parallel_size,
