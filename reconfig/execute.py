@@ -265,9 +265,9 @@ def release_runtime(runtime: Runtime) -> None:
 
 @contextmanager
 def built_layout(build: RuntimeFactory, parallelism: Parallelism, world: World, generation: int) -> Iterator[Runtime]:
-    """Build a layout once every member has (the first collectives of training then wait
-    for no slow build); if filling it with state fails, release it: its groups would
-    block the next layout's."""
+    """Build a layout, then wait until every member has built it (the first collectives
+    of training then wait for no slow build); if filling it with state fails, release
+    it: its groups would block the next layout's."""
     runtime = build(parallelism)
     try:
         world.sync(f"g{generation}/built")
