@@ -39,9 +39,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_parcae.compare import TOLERANCE, StateDifference, load_state
-from megatron_parcae.emulator import JobLog, ParcaeJob, ReplayError, fresh_workdir
-from megatron_parcae.etcd import EtcdClient, EtcdError, JobStore
+from megatron_parcae.tools.compare import TOLERANCE, StateDifference, load_state
+from megatron_parcae.tools.replay import JobLog, ParcaeJob, ReplayError, fresh_workdir
+from megatron_parcae.control.etcd import EtcdClient, EtcdError, JobStore
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = "scripts/pretrain_gpt.py"

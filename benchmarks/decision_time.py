@@ -23,7 +23,7 @@ import numpy as np
 
 from megatron_parcae.liveput.cost import CostConstants, MigrationCostModel
 from megatron_parcae.liveput.throughput import PipelineModel, ProfileTable
-from megatron_parcae.simulator import Replay, Simulation
+from megatron_parcae.tools.simulate import Replay, Simulation
 from predictor.traces import AvailabilityTrace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

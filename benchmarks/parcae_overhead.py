@@ -264,7 +264,7 @@ def write_coordinator_config(processes: int, workdir: Path) -> Path:
 
 
 def run_parcae(processes: int, iterations: int, config: Path) -> RunFigures:
-    from megatron_parcae.etcd import EtcdServer
+    from megatron_parcae.control.etcd import EtcdServer
 
     what = f"--parcae, {processes} workers"
     server = EtcdServer().start()
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.iterations <= WARMUP + 1 or args.rounds < 1:
         parser.error(f"--iterations must exceed {WARMUP + 1} and --rounds be at least 1")
 
-    from megatron_parcae.data.corpus import prepare_tiny_datasets
+    from megatron_parcae.training.data.corpus import prepare_tiny_datasets
 
     prepare_tiny_datasets(REPO / "data")
     print(f"GPT-tiny ({CONFIG}), T=1 P=1 D=N, {args.iterations} iterations per run (first {WARMUP} after the plan "

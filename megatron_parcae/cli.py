@@ -14,15 +14,15 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "preprocess": ("megatron_parcae.data.preprocess", "build megatron-core indexed datasets from text or JSONL"),
+    "preprocess": ("megatron_parcae.training.data.preprocess", "build megatron-core indexed datasets from text or JSONL"),
     "forecast": ("predictor.backtest", "back-test availability forecasters on a spot trace"),
-    "simulate": ("megatron_parcae.simulator", "replay a spot trace and compare layout policies"),
-    "plan": ("megatron_parcae.sizing", "size a spot cluster for a deadline or a budget"),
-    "profile": ("megatron_parcae.profile", "measure per-layer costs of a model for the throughput model"),
-    "coordinator": ("megatron_parcae.coordinator", "decide layouts live and publish plans in etcd (one leader per job)"),
-    "replay": ("megatron_parcae.emulator", "replay a spot trace with real processes: --parcae against checkpoint-restart"),
-    "status": ("megatron_parcae.status", "show a job's generation, layout, members, forecast and last migrations"),
-    "compare": ("megatron_parcae.compare", "how far apart two checkpoints' parameters and Adam moments are"),
+    "simulate": ("megatron_parcae.tools.simulate", "replay a spot trace and compare layout policies"),
+    "plan": ("megatron_parcae.tools.plan", "size a spot cluster for a deadline or a budget"),
+    "profile": ("megatron_parcae.tools.profile", "measure per-layer costs of a model for the throughput model"),
+    "coordinator": ("megatron_parcae.control.coordinator", "decide layouts live and publish plans in etcd (one leader per job)"),
+    "replay": ("megatron_parcae.tools.replay", "replay a spot trace with real processes: --parcae against checkpoint-restart"),
+    "status": ("megatron_parcae.control.status", "show a job's generation, layout, members, forecast and last migrations"),
+    "compare": ("megatron_parcae.tools.compare", "how far apart two checkpoints' parameters and Adam moments are"),
 }
 
 

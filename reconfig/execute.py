@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_parcae.layout_schedule import ScheduledMigration, parse_layout_schedule, plan_schedule
-from megatron_parcae.optimizer_state import (
+from reconfig.optimizer_state import (
     STATE_KEYS,
     export_param_states,
     import_param_states,
@@ -377,68 +376,3 @@ def change_report(plan: MigrationPlan, generation: int, iteration: int, started:
     """The log line of an applied migration (rank 0 prints it; the spot emulator reads it)."""
     return migration_line(plan.kind, generation, iteration, plan.new.parallelism, plan.bytes_total(),
                           time.perf_counter() - started, live_process_groups(), resident_mib())
-
-
-class ScheduledReconfiguration:
-    """The training loop's hook for `--parcae-layout-schedule`: the changes, applied in order.
-
-    Like every hook of the loop (see training.run_training) it speaks in consumed samples:
-    `start()` and `advance()` return the runtime to train with (None: this worker is done)
-    and the samples the job has consumed.
-    """
-
-    def __init__(self, args: argparse.Namespace, vocab_size: int,
-                 runtime_factory: Callable[[argparse.Namespace, int], Runtime]) -> None:
-        self.world = World.from_torchrun()
-        self.initial = Parallelism(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                   args.data_parallel_size, args.stage_layers)
-        migrations = plan_schedule(parse_layout_schedule(args.parcae_layout_schedule), self.initial,
-                                   dist.get_world_size(), model_shape(args, vocab_size),
-                                   args.use_distributed_optimizer)
-        self.migrations = [m for m in migrations if m.iteration < args.train_iters]
-        self.generation = 0  # the last one this worker took part in
-        self.samples_per_iteration = args.global_batch_size
-        self.build: RuntimeFactory = lambda p: runtime_factory(layout_args(args, p), vocab_size)
-        self.before_change: Callable[[], None] = lambda: None  # the loop's: complete what needs this WORLD
-
-    def start(self) -> tuple[Runtime | None, int]:
-        """The first layout this worker is in (None: never used)."""
-        active = tuple(range(self.initial.world_size))
-        if self.world.members != active:
-            self.world.reform(active, "g0")
-        if self.world.worker in active:
-            return self.build(self.initial), 0
-        return self._join_after(0)
-
-    def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
-        """Apply the change due at this iteration boundary, if any.
-
-        A worker left on standby waits here for the change that places it again.
-        """
-        iteration = consumed_samples // self.samples_per_iteration
-        due = next((m for m in self.migrations if m.iteration == iteration and m.generation > self.generation), None)
-        if due is None:
-            return runtime, consumed_samples
-        self.before_change()
-        started = time.perf_counter()
-        new, consumed_samples = self._run(due, runtime)
-        if new is not None and dist.get_rank() == 0:
-            print(change_report(due.plan, due.generation, iteration, started), flush=True)
-        if new is not None or self.world.worker in due.plan.request.leaving:
-            return new, consumed_samples
-        return self._join_after(due.generation)
-
-    def finish(self, consumed_samples: int | None) -> None:
-        """This worker is done (`consumed_samples` None: it left early); nobody needs telling."""
-
-    def _run(self, migration: ScheduledMigration, runtime: Runtime | None) -> tuple[Runtime | None, int]:
-        self.generation = migration.generation
-        held = None if runtime is None else hand_over(runtime)
-        return migrate(migration.plan, migration.generation, self.world, held, self.build,
-                       migration.iteration * self.samples_per_iteration)
-
-    def _join_after(self, generation: int) -> tuple[Runtime | None, int]:
-        for m in self.migrations:
-            if m.generation > generation and self.world.worker in m.plan.new.workers:
-                return self._run(m, None)
-        return None, 0

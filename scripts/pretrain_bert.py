@@ -5,7 +5,7 @@ Flags are Megatron-LM's (see `--help`); `--config FILE.yaml` supplies them from 
 
 import sys
 
-from megatron_parcae.pretrain import pretrain
+from megatron_parcae.training.pretrain import pretrain
 
 if __name__ == "__main__":
     sys.exit(pretrain("bert"))

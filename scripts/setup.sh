@@ -13,5 +13,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 .venv/bin/pip install -q -e ".[test]"
-.venv/bin/python -m megatron_parcae.data.corpus data >/dev/null
+.venv/bin/python -m megatron_parcae.training.data.corpus data >/dev/null
 echo "megatron-parcae is set up in .venv (tiny datasets in data/)"

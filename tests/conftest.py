@@ -21,7 +21,7 @@ ANCHORS = SHARED / "anchors" / "parcae"
 @pytest.fixture(scope="session")
 def tiny_data() -> dict[str, str]:
     """The corpus, vocabularies and indexed datasets of configs/*-tiny.yaml, built once."""
-    from megatron_parcae.data.corpus import prepare_tiny_datasets
+    from megatron_parcae.training.data.corpus import prepare_tiny_datasets
 
     return prepare_tiny_datasets(REPO / "data")
 
@@ -29,7 +29,7 @@ def tiny_data() -> dict[str, str]:
 @pytest.fixture(scope="session")
 def etcd_server():
     """One real etcd server for the whole session."""
-    from megatron_parcae.etcd import EtcdServer
+    from megatron_parcae.control.etcd import EtcdServer
 
     server = EtcdServer().start()
     yield server
@@ -38,7 +38,7 @@ def etcd_server():
 
 @pytest.fixture
 def client(etcd_server):
-    from megatron_parcae.etcd import EtcdClient
+    from megatron_parcae.control.etcd import EtcdClient
 
     with EtcdClient(etcd_server.endpoint, timeout=3) as c:
         yield c
@@ -48,7 +48,7 @@ def client(etcd_server):
 def own_etcd():
     """A fresh etcd and a client of it, for a test that restarts the server: a failure
     there cannot take the shared server down with it."""
-    from megatron_parcae.etcd import EtcdClient, EtcdServer
+    from megatron_parcae.control.etcd import EtcdClient, EtcdServer
 
     with EtcdServer() as server, EtcdClient(server.endpoint, timeout=3) as client:
         yield server, client
@@ -63,7 +63,7 @@ def _enable_auth(ctl: list[str]) -> None:
 @pytest.fixture(scope="session")
 def auth_server():
     """etcd with authentication on (plain HTTP): user root, password right-password."""
-    from megatron_parcae.etcd import EtcdServer, find_etcd_binary
+    from megatron_parcae.control.etcd import EtcdServer, find_etcd_binary
 
     with EtcdServer() as server:
         _enable_auth([find_etcd_binary("etcdctl"), f"--endpoints=http://{server.endpoint}"])
@@ -77,7 +77,7 @@ def _openssl(*args: str, cwd: Path) -> None:
 @pytest.fixture(scope="session")
 def secure_server(tmp_path_factory):
     """etcd with TLS (client certificates required) and authentication on (root / right-password)."""
-    from megatron_parcae.etcd import EtcdServer, TLSFiles, find_etcd_binary
+    from megatron_parcae.control.etcd import EtcdServer, TLSFiles, find_etcd_binary
 
     d = tmp_path_factory.mktemp("pki")
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
@@ -121,7 +121,7 @@ def live_job(etcd_server, client, tmp_path):
     """A job for workers and coordinators started as processes (logs in tmp_path; the
     workers save asynchronously every 4 iterations, joiners too); all are killed at the
     end. Yields the job's store, coordinator(name), worker(id), tmp_path."""
-    from megatron_parcae.etcd import JobStore
+    from megatron_parcae.control.etcd import JobStore
 
     job = f"live-{uuid.uuid4().hex[:8]}"
     config = tmp_path / "coordinator.yaml"

@@ -12,8 +12,8 @@ import time
 import pytest
 from test_etcd import LEASE_S, envelope, new_job, python_child, wait_for
 
-from megatron_parcae.agent import AgentError, ParcaeAgent
-from megatron_parcae.etcd import JobStore
+from megatron_parcae.control.agent import AgentError, ParcaeAgent
+from megatron_parcae.control.etcd import JobStore
 
 GRACE_S = 30.0
 
@@ -152,8 +152,8 @@ def test_agent_survives_an_etcd_restart(own_etcd):
 
 WORKER = """
 import sys, time
-from megatron_parcae.agent import ParcaeAgent
-from megatron_parcae.etcd import EtcdClient
+from megatron_parcae.control.agent import ParcaeAgent
+from megatron_parcae.control.etcd import EtcdClient
 endpoint, job = sys.argv[1], sys.argv[2]
 agent = ParcaeAgent(EtcdClient(endpoint), job, worker_id=5, grace_seconds=30, lease_seconds=2)
 agent.start()
@@ -193,8 +193,8 @@ def test_sigterm_becomes_a_notice_with_a_deadline(etcd_server, client):
 
 BUSY_WORKER = """
 import sys, time
-from megatron_parcae.agent import ParcaeAgent
-from megatron_parcae.etcd import EtcdClient
+from megatron_parcae.control.agent import ParcaeAgent
+from megatron_parcae.control.etcd import EtcdClient
 endpoint, job = sys.argv[1], sys.argv[2]
 agent = ParcaeAgent(EtcdClient(endpoint), job, worker_id=6, grace_seconds=30, lease_seconds=2)
 agent.start()

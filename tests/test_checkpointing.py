@@ -18,13 +18,15 @@ import sys
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-from megatron_parcae import checkpointing
-from megatron_parcae.arguments import parse_args
-from megatron_parcae.compare import StateDifference, load_state
-from megatron_parcae.data.datasets import build_tokenizer
-from megatron_parcae.models import padded_vocab_size
-from megatron_parcae.optimizer_state import export_param_states
-from megatron_parcae.training import LayoutRuntime, Progress, prepare_device
+from megatron_parcae.training import checkpointing
+from megatron_parcae.training.arguments import parse_args
+from megatron_parcae.tools.compare import StateDifference, load_state
+from megatron_parcae.training.data.datasets import build_tokenizer
+from megatron_parcae.training.models import padded_vocab_size
+from reconfig.optimizer_state import export_param_states
+from megatron_parcae.training.device import prepare_device
+from megatron_parcae.training.progress import Progress
+from megatron_parcae.training.runtime import LayoutRuntime
 
 root, flags = sys.argv[1], sys.argv[2:]
 prepare_device()

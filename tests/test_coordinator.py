@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from test_etcd import LEASE_S, new_job, python_child, wait_for
 
 from megatron_parcae import cli
-from megatron_parcae.coordinator import (
+from megatron_parcae.control.coordinator import (
     ConfigError,
     Coordinator,
     CoordinatorConfig,
@@ -34,9 +34,9 @@ from megatron_parcae.coordinator import (
     read_state,
     state_key,
 )
-from megatron_parcae.etcd import JobStore, KeptLease, SchemaError
-from megatron_parcae.etcd.keys import MemberRecord, NoticeRecord
-from megatron_parcae.status import collect, render
+from megatron_parcae.control.etcd import JobStore, KeptLease, SchemaError
+from megatron_parcae.control.etcd.keys import MemberRecord, NoticeRecord
+from megatron_parcae.control.status import collect, render
 from reconfig.layout import Layout
 from reconfig.plan import MigrationPlan
 
@@ -161,8 +161,8 @@ def test_first_plan_covers_the_initial_members_and_a_notice_removes_a_worker(etc
 AGENT = """
 import sys
 import time
-from megatron_parcae.agent import ParcaeAgent
-from megatron_parcae.etcd import EtcdClient
+from megatron_parcae.control.agent import ParcaeAgent
+from megatron_parcae.control.etcd import EtcdClient
 endpoint, job, worker = sys.argv[1], sys.argv[2], int(sys.argv[3])
 agent = ParcaeAgent(EtcdClient(endpoint), job, worker_id=worker, grace_seconds=20, lease_seconds=2)
 agent.start()

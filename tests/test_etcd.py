@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_parcae.etcd import (
+from megatron_parcae.control.etcd import (
     EtcdAuthError,
     EtcdClient,
     EtcdNotInstalled,
@@ -33,7 +33,7 @@ from megatron_parcae.etcd import (
     PlanEnvelope,
     SchemaError,
 )
-from megatron_parcae.etcd.keys import MemberRecord, NoticeRecord, ProgressRecord, StepReport
+from megatron_parcae.control.etcd.keys import MemberRecord, NoticeRecord, ProgressRecord, StepReport
 from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationRequest, plan_migration
 
@@ -242,7 +242,7 @@ def test_plan_is_never_applied_twice_or_out_of_order(client):
 
 STALLED_LEADER = """
 import sys, time
-from megatron_parcae.etcd import EtcdClient, JobStore, Leadership, PlanEnvelope
+from megatron_parcae.control.etcd import EtcdClient, JobStore, Leadership, PlanEnvelope
 endpoint, job = sys.argv[1], sys.argv[2]
 client = EtcdClient(endpoint)
 lead = Leadership(client, job, "first", lease_seconds=2)

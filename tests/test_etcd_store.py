@@ -15,8 +15,8 @@ from datetime import timedelta
 from pathlib import Path
 
 # First: it selects the protobuf backend etcd3 needs, before anything else loads protobuf.
-from megatron_parcae.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdServer, EtcdUnavailable  # isort: skip
-from megatron_parcae.etcd.store import EtcdStore  # isort: skip
+from megatron_parcae.control.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdServer, EtcdUnavailable  # isort: skip
+from megatron_parcae.control.etcd.store import EtcdStore  # isort: skip
 
 import pytest
 import torch
@@ -215,7 +215,7 @@ def _worker(endpoint: str, prefix: str, rank: int) -> dict:
     WORLD g2 without rank 1. Returns the sums it saw."""
     from megatron.core import parallel_state as ps
 
-    from megatron_parcae.cpu import enable_cpu_support
+    from megatron_parcae.training.cpu import enable_cpu_support
     from reconfig.world import release_parallel_state
 
     enable_cpu_support()

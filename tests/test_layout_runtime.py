@@ -15,9 +15,9 @@ import sys
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron_parcae import training
-from megatron_parcae.arguments import parse_args
-from megatron_parcae.data.datasets import build_tokenizer
-from megatron_parcae.models import padded_vocab_size
+from megatron_parcae.training.arguments import parse_args
+from megatron_parcae.training.data.datasets import build_tokenizer
+from megatron_parcae.training.models import padded_vocab_size
 
 training.prepare_device()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from launch import SMALL_GPT, assert_close, assert_same_state, layout_flags, losses, torchrun
-from megatron_parcae.arguments import ArgumentError, parse_args
-from megatron_parcae.layout_schedule import LayoutChange, parse_layout_schedule
+from megatron_parcae.training.arguments import ArgumentError, parse_args
+from reconfig.schedule import LayoutChange, parse_layout_schedule
 from reconfig.report import CHANGE_REPORT
 
 ITERS = 12

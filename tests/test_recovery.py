@@ -11,7 +11,7 @@ import time
 from launch import assert_close
 from test_etcd import wait_for
 from conftest import ITERS, LIVE_LOSS, REPO
-from megatron_parcae.agent import FENCED_EXIT
+from megatron_parcae.control.agent import FENCED_EXIT
 from reconfig.report import CHANGE_REPORT
 
 LEASE_S = 5.0  # the workers' (test_live.live_job)

@@ -11,8 +11,8 @@ import pytest
 from megatron_parcae.cli import main
 from megatron_parcae.liveput.cost import CostConstants, MigrationCostModel
 from megatron_parcae.liveput.throughput import ProfileTable
-from megatron_parcae.simulator import Replay, Simulation
-from megatron_parcae.sizing import cycled
+from megatron_parcae.tools.simulate import Replay, Simulation
+from megatron_parcae.tools.plan import cycled
 from predictor.traces import AvailabilityTrace
 
 import conftest

@@ -123,7 +123,7 @@ def test_dry_run_on_two_nodes(sbatch, tmp_path):
 
 def test_time_limit_signal_matches_coordinator_grace():
     """The notice of `--signal` is the coordinator's grace (the workers' is checked above)."""
-    from megatron_parcae.coordinator import CoordinatorConfig
+    from megatron_parcae.control.coordinator import CoordinatorConfig
 
     for sbatch, (_, _, coordinator_config) in MODELS.items():
         warning = re.search(r"^#SBATCH --signal=TERM@(\d+)$", (SLURM / sbatch).read_text(), re.M)
@@ -136,7 +136,7 @@ def test_coordinator_config_describes_the_trained_model(sbatch):
     """Same shape and global batch as the training config; worker bounds are the profile's layouts."""
     import yaml
 
-    from megatron_parcae.coordinator import CoordinatorConfig
+    from megatron_parcae.control.coordinator import CoordinatorConfig
     from megatron_parcae.liveput import CostConstants
     from megatron_parcae.liveput.throughput import load_profile
 
@@ -204,7 +204,7 @@ def test_worker_runs_the_command_with_its_id_and_gpu(tmp_path):
 
 
 def test_worker_ids_stay_within_the_schema():
-    from megatron_parcae.etcd.keys import MAX_WORKER_ID
+    from megatron_parcae.control.etcd.keys import MAX_WORKER_ID
 
     assert f"MAX_WORKER_ID={MAX_WORKER_ID} " in (SLURM / "worker.sh").read_text()
     env = {"PATH": os.environ["PATH"], "SLURM_PROCID": "99999", "SLURM_LOCALID": "0"}
@@ -263,7 +263,7 @@ echo "no coordinator: $out" >&2; exit 3""")
 def test_requeue_revokes_the_leases_of_the_killed_run(tmp_path):
     """etcd restarted on kept data renews old leases; the requeued run must not see the
     killed run's lease-bound keys (a worker's member key, here a stand-in)."""
-    from megatron_parcae.etcd.server import find_etcd_binary
+    from megatron_parcae.control.etcd.server import find_etcd_binary
 
     fake_srun(tmp_path / "bin", """
 for a in "$@"; do [[ ${prev:-} == --parcae-etcd ]] && ep=http://$a; prev=$a; done

@@ -108,7 +108,7 @@ def test_config_loader_gives_only_clear_errors(tiny_data, tmp_path_factory, load
     """Any YAML document over the tiny config either parses or fails with an ArgumentError."""
     import yaml
 
-    from megatron_parcae.arguments import ArgumentError, parse_args
+    from megatron_parcae.training.arguments import ArgumentError, parse_args
 
     config = tmp_path_factory.mktemp("fuzz") / "config.yaml"
     base = yaml.safe_load((REPO / "configs" / "gpt-tiny.yaml").read_text())

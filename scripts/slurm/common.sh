@@ -104,7 +104,7 @@ on_sigterm() {
 find_etcd_binaries() {  # PYTHON
   "$1" -c '
 import sys
-from megatron_parcae.etcd.server import EtcdNotInstalled, find_etcd_binary
+from megatron_parcae.control.etcd.server import EtcdNotInstalled, find_etcd_binary
 try:
     print(find_etcd_binary("etcd"))
     print(find_etcd_binary("etcdctl"))

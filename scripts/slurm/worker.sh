@@ -21,7 +21,7 @@ prog="worker.sh (task ${SLURM_PROCID:-?})"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 readonly IDS_PER_RUN=100000
-readonly MAX_WORKER_ID=2147483647  # megatron_parcae.etcd.keys.MAX_WORKER_ID
+readonly MAX_WORKER_ID=2147483647  # megatron_parcae.control.etcd.keys.MAX_WORKER_ID
 
 (($# >= 2)) || die "usage: worker.sh RESTART_COUNT COMMAND [ARGS...]"
 restart_count=$1

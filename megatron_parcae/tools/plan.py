@@ -28,7 +28,7 @@ import numpy as np
 
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants, MigrationCostModel
 from megatron_parcae.liveput.throughput import ThroughputModel, load_profile
-from megatron_parcae.simulator import ON_DEMAND_PRICE, SPOT_PRICE, Replay, Simulation
+from megatron_parcae.tools.simulate import ON_DEMAND_PRICE, SPOT_PRICE, Replay, Simulation
 from predictor.traces import AvailabilityTrace
 
 SPOT_GRID_STEPS = 8

@@ -23,7 +23,7 @@ denormal floats in CPU matmuls            flushed to zero (``torch.set_flush_den
                                            they slow CPU kernels many times over, and every
                                            layout flushes alike, so results still agree
 fused kernels, gradient accumulation       switched off in the model config
-fusion, ``use_cpu_initialization``         (``megatron_parcae.models``), not here
+fusion, ``use_cpu_initialization``         (``megatron_parcae.training.models``), not here
 =========================================  =============================================
 
 ``enable_cpu_support()`` does all of this once per process and does nothing when CUDA is

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from megatron_parcae.data.tokenizer import Tokenizer
+from megatron_parcae.training.data.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

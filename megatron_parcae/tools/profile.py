@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megatron_parcae.arguments import ArgumentError, parse_args
+from megatron_parcae.training.arguments import ArgumentError, parse_args
 
 DEFAULT_LINK_BYTES_PER_SECOND = 1.25e9  # 10 Gb/s, the network of Parcae's p3.2xlarge cluster
 
@@ -92,9 +92,10 @@ def measure(args: argparse.Namespace, repeats: int) -> dict:
     """Per-unit costs of the model `args` describe, on this process's device."""
     import torch
 
-    from megatron_parcae.data.datasets import build_tokenizer
-    from megatron_parcae.models import padded_vocab_size
-    from megatron_parcae.training import LayoutRuntime, initialize_distributed
+    from megatron_parcae.training.data.datasets import build_tokenizer
+    from megatron_parcae.training.models import padded_vocab_size
+    from megatron_parcae.training.device import initialize_distributed
+    from megatron_parcae.training.runtime import LayoutRuntime
     from reconfig.tensors import transformer_layers, unwrap
 
     os.environ.setdefault("MASTER_PORT", str(_free_port()))

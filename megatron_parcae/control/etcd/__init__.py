@@ -7,7 +7,7 @@ Import this package before anything else imports protobuf: `etcd3`'s generated m
 need the pure-Python protobuf backend, which `client` selects (see its docstring).
 """
 
-from megatron_parcae.etcd.client import (
+from megatron_parcae.control.etcd.client import (
     EtcdClient,
     EtcdAuthError,
     EtcdError,
@@ -16,9 +16,9 @@ from megatron_parcae.etcd.client import (
     LeaseExpired,
     TLSFiles,
 )
-from megatron_parcae.etcd.keys import JobKeys, JobStore, PlanEnvelope, SchemaError
-from megatron_parcae.etcd.leadership import Leadership, NotLeader
-from megatron_parcae.etcd.server import EtcdNotInstalled, EtcdServer, find_etcd_binary
+from megatron_parcae.control.etcd.keys import JobKeys, JobStore, PlanEnvelope, SchemaError
+from megatron_parcae.control.etcd.leadership import Leadership, NotLeader
+from megatron_parcae.control.etcd.server import EtcdNotInstalled, EtcdServer, find_etcd_binary
 
 __all__ = [
     "EtcdAuthError",

@@ -61,12 +61,13 @@ def load_state(root: str | Path, flags: list[str], model: str) -> dict[str, dict
     """
     import torch.distributed as dist
 
-    from megatron_parcae import checkpointing
-    from megatron_parcae.arguments import parse_args
-    from megatron_parcae.data.datasets import build_tokenizer
-    from megatron_parcae.models import padded_vocab_size
-    from megatron_parcae.optimizer_state import export_param_states
-    from megatron_parcae.training import LayoutRuntime, prepare_device
+    from megatron_parcae.training import checkpointing
+    from megatron_parcae.training.arguments import parse_args
+    from megatron_parcae.training.data.datasets import build_tokenizer
+    from megatron_parcae.training.models import padded_vocab_size
+    from reconfig.optimizer_state import export_param_states
+    from megatron_parcae.training.device import prepare_device
+    from megatron_parcae.training.runtime import LayoutRuntime
 
     args = parse_args([*flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"],
                       prog="parcae compare", model=model, world_size=1)
@@ -91,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_parcae.arguments import ArgumentError
-    from megatron_parcae.checkpointing import CheckpointError
+    from megatron_parcae.training.arguments import ArgumentError
+    from megatron_parcae.training.checkpointing import CheckpointError
 
     flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     try:

@@ -13,9 +13,9 @@ import sys
 import time
 from typing import Any
 
-from megatron_parcae.coordinator import read_state
-from megatron_parcae.etcd.options import add_etcd_arguments, connect
-from megatron_parcae.etcd import EtcdError, JobStore, SchemaError
+from megatron_parcae.control.coordinator import read_state
+from megatron_parcae.control.etcd.options import add_etcd_arguments, connect
+from megatron_parcae.control.etcd import EtcdError, JobStore, SchemaError
 from reconfig.layout import Layout
 
 

@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from megatron_parcae.agent import FENCED_EXIT
-from megatron_parcae.arguments import ArgumentError, parse_args
+from megatron_parcae.control.agent import FENCED_EXIT
+from megatron_parcae.training.arguments import ArgumentError, parse_args
 from reconfig.report import CHANGE_REPORT
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+) \|")
@@ -195,7 +195,7 @@ class ParcaeJob:
 
     def __init__(self, script: str, command_args: list[str], workdir: Path, profile: Path, grace_seconds: float,
                  interval_seconds: float, max_instances: int, seed: int) -> None:
-        from megatron_parcae.etcd import EtcdServer
+        from megatron_parcae.control.etcd import EtcdServer
 
         self.script, self.args, self.workdir = script, command_args, workdir
         self.grace_seconds = grace_seconds

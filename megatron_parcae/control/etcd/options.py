@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from megatron_parcae.etcd.client import EtcdClient
+    from megatron_parcae.control.etcd.client import EtcdClient
 
 PASSWORD_ENV = "PARCAE_ETCD_PASSWORD"
 
@@ -66,7 +66,7 @@ def check_etcd_arguments(args: argparse.Namespace, prefix: str = "") -> str | No
     timeout = get("etcd-timeout")
     if not (math.isfinite(timeout) and timeout > 0):
         raise ValueError(f"{flag}etcd-timeout must be a positive number of seconds, got {timeout}")
-    from megatron_parcae.etcd.keys import JobKeys
+    from megatron_parcae.control.etcd.keys import JobKeys
 
     try:
         JobKeys(get("job"))
@@ -81,7 +81,7 @@ def connect(args: argparse.Namespace, prefix: str = "") -> EtcdClient:
     Raises ValueError for bad options (a user error) and EtcdError when etcd cannot be
     reached or refuses the credentials.
     """
-    from megatron_parcae.etcd.client import EtcdClient, TLSFiles
+    from megatron_parcae.control.etcd.client import EtcdClient, TLSFiles
 
     password = check_etcd_arguments(args, prefix)
 

@@ -15,8 +15,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from megatron_parcae.data.preprocess import preprocess
-from megatron_parcae.data.tokenizer import Tokenizer, train_tokenizer
+from megatron_parcae.training.data.preprocess import preprocess
+from megatron_parcae.training.data.tokenizer import Tokenizer, train_tokenizer
 
 # Byte-level BPE for GPT, WordPiece for BERT, sized so that 50 iterations of the tiny
 # models visibly learn: a small BPE vocabulary makes next-token statistics dense; a

@@ -14,8 +14,8 @@ import os
 import threading
 import time
 
-from megatron_parcae.etcd.client import Compare, EtcdClient, EtcdError, EtcdUnavailable, KeptLease, Put
-from megatron_parcae.etcd.keys import JobKeys, LeaderRecord
+from megatron_parcae.control.etcd.client import Compare, EtcdClient, EtcdError, EtcdUnavailable, KeptLease, Put
+from megatron_parcae.control.etcd.keys import JobKeys, LeaderRecord
 
 log = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import yaml
 
-from megatron_parcae.etcd import (
+from megatron_parcae.control.etcd import (
     EtcdClient,
     EtcdError,
     JobKeys,
@@ -60,9 +60,9 @@ from megatron_parcae.etcd import (
     PlanEnvelope,
     SchemaError,
 )
-from megatron_parcae.etcd.client import Put
-from megatron_parcae.etcd.options import add_etcd_arguments, connect
-from megatron_parcae.etcd.keys import (
+from megatron_parcae.control.etcd.client import Put
+from megatron_parcae.control.etcd.options import add_etcd_arguments, connect
+from megatron_parcae.control.etcd.keys import (
     MAX_GENERATION,
     MAX_TIMESTAMP,
     MAX_WORKER_ID,

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from megatron_parcae.etcd.client import Compare, EtcdAuthError, EtcdClient, EtcdError, Put
+from megatron_parcae.control.etcd.client import Compare, EtcdAuthError, EtcdClient, EtcdError, Put
 
 T = TypeVar("T")
 _FIRST_BACKOFF_S = 0.001

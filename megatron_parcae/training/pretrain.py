@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_parcae.arguments import ArgumentError, exit_on_argument_error, parse_args
+from megatron_parcae.training.arguments import ArgumentError, exit_on_argument_error, parse_args
 
 
 def pretrain(model: str, argv: list[str] | None = None) -> int:
@@ -20,14 +20,14 @@ def pretrain(model: str, argv: list[str] | None = None) -> int:
         exit_on_argument_error(prog, exc)
     client = None
     if args.parcae_etcd is not None:  # before torch loads: a wrong endpoint or password fails in seconds
-        from megatron_parcae.etcd import EtcdError
-        from megatron_parcae.etcd.options import connect
+        from megatron_parcae.control.etcd import EtcdError
+        from megatron_parcae.control.etcd.options import connect
 
         try:
             client = connect(args, prefix="parcae-")
         except (ValueError, EtcdError) as exc:
             print(f"{prog}: error: --parcae-etcd {args.parcae_etcd}: {exc}", file=sys.stderr, flush=True)
             return 1
-    from megatron_parcae.training import run_training
+    from megatron_parcae.training.loop import run_training
 
     return run_training(args, prog, client)

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from megatron_parcae.etcd.client import EtcdError, TLSFiles
+from megatron_parcae.control.etcd.client import EtcdError, TLSFiles
 
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None)  # loaded before fork: the child only calls prctl before exec

@@ -1,7 +1,7 @@
 """`--parcae-etcd`: the training loop's hook in a job that `parcae coordinator` drives.
 
 Every training process is one worker with an id unique over the job's life. Its agent
-(megatron_parcae/agent.py) keeps it registered in etcd, turns SIGTERM into a preemption
+(megatron_parcae/control/agent.py) keeps it registered in etcd, turns SIGTERM into a preemption
 notice and delivers the coordinator's plans; this module applies them:
 
 - `start()` registers and waits on standby, holding nothing, until a plan places the
@@ -34,18 +34,18 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from megatron_parcae import checkpointing
-from megatron_parcae.agent import ParcaeAgent
-from megatron_parcae.etcd.client import EtcdClient, EtcdUnavailable
-from megatron_parcae.etcd.keys import DoneRecord, JobStore, PlanEnvelope, SchemaError
-from megatron_parcae.etcd.store import EtcdStore
+from megatron_parcae.training import checkpointing
+from megatron_parcae.training.device import collective_timeout, prepare_device
+from megatron_parcae.control.agent import ParcaeAgent
+from megatron_parcae.control.etcd.client import EtcdClient, EtcdUnavailable
+from megatron_parcae.control.etcd.keys import DoneRecord, JobStore, PlanEnvelope, SchemaError
+from megatron_parcae.control.etcd.store import EtcdStore
 from reconfig.execute import (
     HeldState,
     MigrationError,
@@ -84,20 +84,13 @@ def _is_running(runtime: Runtime | HeldState | None) -> bool:
     return runtime is not None and not isinstance(runtime, HeldState)
 
 
-def collective_timeout(args: argparse.Namespace) -> timedelta:
-    """How long a collective waits for a peer before the peer counts as failed: one lease
-    period in a job that `parcae coordinator` drives (a process silent that long is lost
-    anyway), megatron-core's default of 30 minutes otherwise."""
-    if getattr(args, "parcae_etcd", None):
-        return timedelta(seconds=args.parcae_lease_seconds)
-    return timedelta(minutes=30)
-
-
 class LiveReconfiguration:
     """Plans from etcd, applied at iteration boundaries (see the module docstring)."""
 
     def __init__(self, args: argparse.Namespace, vocab_size: int,
-                 runtime_factory: Callable[[argparse.Namespace, int], Runtime], client: EtcdClient) -> None:
+                 runtime_factory: Callable[[argparse.Namespace, int], Runtime], client: EtcdClient,
+                 before_change: Callable[[], None]) -> None:
+        prepare_device()
         self.args = args
         self.store = JobStore(client, args.parcae_job)
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
@@ -111,7 +104,7 @@ class LiveReconfiguration:
         self.samples_per_iteration = args.global_batch_size
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
-        self.before_change: Callable[[], None] = lambda: None  # the loop's: complete what needs this WORLD
+        self.before_change = before_change  # complete what needs this WORLD (a save in flight)
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -143,6 +136,10 @@ class LiveReconfiguration:
         """A step was applied (before it is logged): rank 0 records how far the job got."""
         if dist.get_rank() == 0:
             self.agent.record_progress(consumed_samples // self.samples_per_iteration, consumed_samples)
+
+    def can_recover(self, error: BaseException) -> bool:
+        """A peer died or stalled: its survivors carry on without it."""
+        return is_peer_failure(error)
 
     def recover(self, runtime: Runtime, consumed_samples: int, error: BaseException) -> tuple[Runtime | None, int]:
         """A collective of the running layout failed (a peer died or stalled): report it,

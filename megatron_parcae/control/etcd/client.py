@@ -38,7 +38,7 @@ try:
 except TypeError as exc:  # "Descriptors cannot be created directly"
     raise ImportError(
         "the etcd3 package cannot load its protobuf modules: google.protobuf was imported "
-        "with a C/upb backend before megatron_parcae.etcd. Import megatron_parcae.etcd "
+        "with a C/upb backend before megatron_parcae.control.etcd. Import megatron_parcae.control.etcd "
         "first, set PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, or install 'protobuf<4'"
     ) from exc
 

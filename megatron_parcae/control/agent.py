@@ -35,8 +35,8 @@ import socket
 import threading
 import time
 
-from megatron_parcae.etcd.client import EtcdClient, EtcdError, KeptLease, Watch
-from megatron_parcae.etcd.keys import (
+from megatron_parcae.control.etcd.client import EtcdClient, EtcdError, KeptLease, Watch
+from megatron_parcae.control.etcd.keys import (
     JobStore,
     MemberRecord,
     NoticeRecord,

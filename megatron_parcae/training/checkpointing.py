@@ -24,13 +24,14 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-from megatron_parcae.optimizer_state import (
+from reconfig.optimizer_state import (
     STATE_KEYS,
     export_param_states,
     import_param_states,
     initialize_optimizer_states,
     step_count,
 )
+from megatron_parcae.training.progress import Progress
 from reconfig.tensors import WORD_EMBEDDING, ParamShard, param_shards, unwrap
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -194,8 +195,6 @@ def read_progress(root: str) -> tuple[Path, dict]:
 
 def load(root: str, runtime):
     """Load the newest checkpoint under `root` into a freshly built runtime; returns Progress."""
-    from megatron_parcae.training import Progress
-
     directory, meta = read_progress(root)
     wanted = {flag: getattr(runtime.args, flag) for flag in SHAPE_FLAGS}
     if meta["model"] != wanted:
@@ -215,3 +214,14 @@ def load(root: str, runtime):
     runtime.scheduler.num_steps = meta["scheduler_num_steps"]
     runtime.scheduler.step(increment=0)
     return Progress(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"])
+
+
+def resume(root: str | None, runtime) -> int:
+    """The consumed samples of a run that starts on `runtime`: those of the newest
+    checkpoint under `root` (--load), loaded into it, or 0 without one."""
+    if not root:
+        return 0
+    progress = load(root, runtime)
+    if dist.get_rank() == 0:
+        print(f" loaded checkpoint {root} at iteration {progress.iteration}", flush=True)
+    return progress.consumed_samples

@@ -15,7 +15,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import yaml
 
-from megatron_parcae.etcd.options import add_etcd_arguments, check_etcd_arguments
+from megatron_parcae.control.etcd.options import add_etcd_arguments, check_etcd_arguments
 
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 
@@ -183,7 +183,7 @@ def _coerce(action: argparse.Action, key: str, value: Any, path: str) -> Any:
 
 
 def _int_exact(v: float) -> int:
-    if v != int(v):
+    if not math.isfinite(v) or v != int(v):
         raise ValueError(v)
     return int(v)
 
@@ -300,7 +300,7 @@ def _check_live_job(args: argparse.Namespace) -> None:
 
 def _parse_layout_schedule(args: argparse.Namespace) -> int:
     """Check the schedule's syntax; returns the workers that start idle (they join later)."""
-    from megatron_parcae.layout_schedule import joining_workers, parse_layout_schedule
+    from reconfig.schedule import joining_workers, parse_layout_schedule
 
     _check(args.parcae, "--parcae-layout-schedule needs --parcae")
     _check(args.load is None, "--parcae-layout-schedule cannot be combined with --load")
@@ -312,7 +312,7 @@ def _parse_layout_schedule(args: argparse.Namespace) -> int:
 
 def _check_layout_schedule(args: argparse.Namespace, total_workers: int) -> None:
     """Plan every change now (vocabulary size aside), so an impossible one fails before training."""
-    from megatron_parcae.layout_schedule import parse_layout_schedule, plan_schedule
+    from reconfig.schedule import parse_layout_schedule, plan_schedule
     from reconfig.layout import ModelShape, Parallelism
 
     shape = ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
-from megatron_parcae.etcd.client import Compare, Delete, EtcdClient, Get, KeyValue, Put
+from megatron_parcae.control.etcd.client import Compare, Delete, EtcdClient, Get, KeyValue, Put
 
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_PAYLOAD_BYTES = 1_500_000  # etcd refuses larger requests by default (--max-request-bytes)

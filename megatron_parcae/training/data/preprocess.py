@@ -17,8 +17,8 @@ from typing import Iterator
 
 import numpy as np
 
-from megatron_parcae.arguments import TOKENIZERS
-from megatron_parcae.data.tokenizer import Tokenizer, train_tokenizer
+from megatron_parcae.training.arguments import TOKENIZERS
+from megatron_parcae.training.data.tokenizer import Tokenizer, train_tokenizer
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(\[])")
 

@@ -1,21 +1,15 @@
-"""The training loop of scripts/pretrain_gpt.py and scripts/pretrain_bert.py, on megatron-core.
+"""One layout's megatron-core objects (parallel state, model, optimizer, scheduler) and
+the training step run on them.
 
-Megatron-LM's own loop keeps model, optimizer and iterators as locals and asserts CUDA
-(../shared/notes), so this one is written for megatron-core directly. Everything built
-for a layout lives in one `LayoutRuntime`, which the reconfiguration engine can drop and
-rebuild at an iteration boundary; what outlives a layout is `Progress` (iteration and
-consumed samples) and the model's state itself.
+The reconfiguration engine drops a `LayoutRuntime` and builds another at an iteration
+boundary; what outlives a layout is `Progress` and the model's state itself.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import os
-import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 
 import torch
@@ -32,23 +26,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_parcae.agent import FENCED_EXIT
-from megatron_parcae.cpu import enable_cpu_support
-from megatron_parcae.data.datasets import build_tokenizer, build_train_dataset, rank_micro_batches, step_iterator
-from megatron_parcae.etcd.client import EtcdClient
-from megatron_parcae.live import LiveJobError, LiveReconfiguration, WorkerFenced, collective_timeout
-from megatron_parcae.models import build_model_chunk, padded_vocab_size, transformer_config, wrap_for_training
-from reconfig.execute import ScheduledReconfiguration
+from megatron_parcae.training.data.datasets import rank_micro_batches, step_iterator
+from megatron_parcae.training.device import collective_timeout
+from megatron_parcae.training.models import build_model_chunk, transformer_config, wrap_for_training
+from megatron_parcae.training.progress import Progress
 from reconfig.tensors import unwrap
-from reconfig.world import is_peer_failure, release_parallel_state
-
-
-@dataclass
-class Progress:
-    """What a run has done; the only training state besides the model's own."""
-
-    iteration: int = 0
-    consumed_samples: int = 0
+from reconfig.world import release_parallel_state
 
 
 @dataclass
@@ -207,137 +190,3 @@ def _global_mean_losses(outputs: list[dict[str, torch.Tensor]], total_micro_batc
     packed = torch.cat([sums, present])
     dist.all_reduce(packed)
     return {name: float(packed[i]) / total_micro_batches for i, name in enumerate(names) if packed[len(names) + i] > 0}
-
-
-def format_log_line(args: argparse.Namespace, progress: Progress, result: StepResult, ms_per_iter: float) -> str:
-    parts = [
-        f" iteration {progress.iteration:8d}/{args.train_iters:8d}",
-        f"consumed samples: {progress.consumed_samples:12d}",
-        f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
-        f"learning rate: {result.learning_rate:.6E}",
-        f"global batch size: {args.global_batch_size:5d}",
-        *(f"{name}: {value:.6E}" for name, value in result.losses.items()),
-        f"grad norm: {result.grad_norm:.6f}",
-    ]
-    return " | ".join(parts) + " |"
-
-
-def prepare_device() -> None:
-    """The GPU of LOCAL_RANK, or megatron-core's CPU support when there is none."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        enable_cpu_support()
-
-
-def initialize_distributed() -> None:
-    """torch.distributed from torchrun's environment (a single process runs without torchrun)."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    prepare_device()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
-
-
-def _fail(prog: str, message: str, code: int) -> int:
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    return code
-
-
-def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None = None) -> int:
-    """Train as `args` say; the arguments were validated before any process group exists.
-
-    Without --parcae the layout is fixed. With --parcae-layout-schedule, or with `client`
-    (connected to --parcae-etcd), a reconfiguration hook owns WORLD: it gives the loop the
-    runtime to train with at every iteration boundary, and the samples the job has consumed.
-    """
-    if client is not None:
-        prepare_device()
-    else:
-        initialize_distributed()
-    from megatron_parcae import checkpointing
-
-    tokenizer = build_tokenizer(args)
-    vocab = padded_vocab_size(tokenizer.vocab_size, args)
-    dataset = build_train_dataset(args, tokenizer)
-    hook = None
-    if client is not None:
-        hook = LiveReconfiguration(args, vocab, LayoutRuntime, client)
-    elif args.parcae_layout_schedule:
-        hook = ScheduledReconfiguration(args, vocab, LayoutRuntime)
-    checkpoints = checkpointing.Checkpointer(args.save, args.async_save)
-    # All built so far lives as long as the process. Out of the cyclic collector's sight,
-    # it is not scanned again by the full collection each layout change makes to free the
-    # old layout (reconfig.execute.release_runtime): 3-7 ms instead of 0.3-0.9 s on CPU.
-    gc.freeze()
-    if hook is not None:
-        hook.before_change = checkpoints.finish  # a change releases the WORLD a save in flight needs
-    finished = None
-    try:
-        if hook is not None:
-            runtime, consumed = hook.start()
-            if runtime is None:
-                return 0  # a worker no change placed
-        else:
-            runtime, consumed = LayoutRuntime(args, vocab), 0
-        progress = Progress(consumed // args.global_batch_size, consumed)
-        if args.load and client is None:
-            try:
-                progress = checkpointing.load(args.load, runtime)
-            except checkpointing.CheckpointError as exc:
-                return _fail(prog, str(exc), 2) if dist.get_rank() == 0 else 2
-            if dist.get_rank() == 0:
-                print(f" loaded checkpoint {args.load} at iteration {progress.iteration}", flush=True)
-        window_start, window_iters = time.perf_counter(), 0
-        exit_at = None  # the iteration --exit-interval stops at, once reached
-        while True:
-            try:
-                if progress.iteration >= args.train_iters or progress.iteration == exit_at:
-                    # The final save, inside the loop: a peer that dies during it is
-                    # recovered from like one that dies in a step, and the save is redone
-                    # (also one of this iteration's interval that was abandoned).
-                    checkpoints.finish()
-                    if args.save and checkpoints.behind(progress.iteration):
-                        checkpoints.save(runtime, progress)
-                        checkpoints.finish()
-                    break
-                report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
-                result = runtime.train_step(dataset, progress, report)
-                progress.iteration += 1  # the step is applied: what fails from here on keeps it
-                progress.consumed_samples += args.global_batch_size
-                if isinstance(hook, LiveReconfiguration):
-                    hook.trained(progress.consumed_samples)
-                window_iters += 1
-                if report:
-                    elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
-                    if dist.get_rank() == 0:
-                        print(format_log_line(args, progress, result, elapsed_ms), flush=True)
-                    window_start, window_iters = time.perf_counter(), 0
-                if args.save_interval and progress.iteration % args.save_interval == 0:
-                    checkpoints.save(runtime, progress)
-                checkpoints.poll()
-                if args.exit_interval and progress.iteration % args.exit_interval == 0:
-                    exit_at = progress.iteration
-                if hook is None or progress.iteration in (args.train_iters, exit_at):
-                    continue
-                runtime, consumed = hook.advance(runtime, progress.consumed_samples)  # the boundary between steps
-            except RuntimeError as exc:
-                if not isinstance(hook, LiveReconfiguration) or not is_peer_failure(exc):
-                    raise
-                checkpoints.abandon()
-                runtime, consumed = hook.recover(runtime, progress.consumed_samples, exc)
-            if runtime is None:
-                return 0  # left the job
-            progress = Progress(consumed // args.global_batch_size, consumed)
-        runtime.destroy()
-        finished = progress.consumed_samples
-        return 0
-    except LiveJobError as exc:
-        return _fail(prog, str(exc), FENCED_EXIT if isinstance(exc, WorkerFenced) else 1)
-    finally:
-        if hook is not None:
-            hook.finish(finished)
-        if dist.is_initialized():
-            dist.destroy_process_group()

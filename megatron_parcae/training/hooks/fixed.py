@@ -1,0 +1,37 @@
+"""The hook of a run without --parcae: one layout from start to end, as torchrun gave it."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from megatron_parcae.training import checkpointing
+from megatron_parcae.training.device import initialize_distributed
+from reconfig.execute import Runtime
+
+
+class FixedLayout:
+    def __init__(self, args: argparse.Namespace, vocab_size: int,
+                 runtime_factory: Callable[[argparse.Namespace, int], Runtime]) -> None:
+        initialize_distributed()
+        self.args = args
+        self.build = lambda: runtime_factory(args, vocab_size)
+
+    def start(self) -> tuple[Runtime | None, int]:
+        runtime = self.build()
+        return runtime, checkpointing.resume(self.args.load, runtime)
+
+    def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
+        return runtime, consumed_samples
+
+    def trained(self, consumed_samples: int) -> None:
+        pass
+
+    def can_recover(self, error: BaseException) -> bool:
+        return False
+
+    def recover(self, runtime: Runtime, consumed_samples: int, error: BaseException) -> tuple[Runtime | None, int]:
+        raise error
+
+    def finish(self, consumed_samples: int | None) -> None:
+        pass
