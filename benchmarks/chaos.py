@@ -32,13 +32,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_parcae.events import PlanPublished, read_events
 from megatron_parcae.tools.compare import TOLERANCE, StateDifference, load_state
 from megatron_parcae.tools.replay import JobLog, ParcaeJob, ReplayError, fresh_workdir
 from megatron_parcae.control.etcd import EtcdClient, EtcdError, JobStore
@@ -49,7 +49,6 @@ PROFILE = REPO / "configs/profiles/gpt-tiny-cpu.json"
 RUN_LIMIT_S = 900.0
 REPLACE_AFTER_S = 3.0  # a killed instance's replacement arrives this much later
 TRIGGER_WAIT_S = 30.0  # a kill waiting for a migration or a checkpoint gives up after this
-_PUBLISHED = re.compile(r"generation (\d+) published: .*?; ([a-z-]+), [0-9.]+ s expected; (.*)$", re.M)
 
 
 @dataclass
@@ -184,13 +183,13 @@ class Chaos:
 
 
 def recoveries(workdir: Path, log: JobLog) -> tuple[int, int]:
-    """(in place, from a checkpoint): the applied plans the coordinator published for lost workers."""
+    """(in place, from a checkpoint): the applied plans the coordinators published for lost workers."""
     applied = {c["generation"] for c in log.changes}
     in_place = fallback = 0
-    for path in workdir.glob("coordinator-*.log"):
-        for generation, kind, reason in _PUBLISHED.findall(path.read_text(errors="replace")):
-            if int(generation) in applied and ("lost workers" in reason or "WORLD broke" in reason):
-                if kind == "restart":
+    for path in workdir.glob("coordinator-*.events.jsonl"):
+        for plan in read_events(path):
+            if isinstance(plan, PlanPublished) and plan.generation in applied and (plan.lost or plan.broken):
+                if plan.kind == "restart":
                     fallback += 1
                 else:
                     in_place += 1

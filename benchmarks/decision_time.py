@@ -21,14 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_parcae.liveput.cost import CostConstants, MigrationCostModel
+from megatron_parcae.liveput.cost import CostConstants
+from megatron_parcae.liveput.factory import build_liveput
 from megatron_parcae.liveput.throughput import PipelineModel, ProfileTable
 from megatron_parcae.tools.simulate import Replay, Simulation
 from predictor.traces import AvailabilityTrace
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-TRACE = SHARED / "traces/aws-p3/p3-trace.csv"
-TABLE = SHARED / "anchors/parcae/gpt-1.5b.csv"
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO / "traces/aws-p3/p3-trace.csv"
+TABLE = REPO / "benchmarks/anchors/parcae/gpt-1.5b.csv"
 HORIZON = 12
 MB = 1024 * 1024
 
@@ -76,7 +77,8 @@ def main() -> int:
     shape = constants.model("gpt-1.5b")
     table = ProfileTable.load(TABLE, shape)
     replay = Replay.of(trace, constants.interval_seconds)
-    timed("32 instances, H=12", Simulation(replay, table, MigrationCostModel(constants, shape), HORIZON), 50.0)
+    liveput = build_liveput(table, constants, lookahead=HORIZON, distributed_optimizer=False)
+    timed("32 instances, H=12", Simulation(replay, liveput), 50.0)
 
     big = trace.scale(1024)
     started = time.perf_counter()
@@ -84,8 +86,8 @@ def main() -> int:
     print(f"1,024-instance layer profile: {len(model.layouts())} feasible layouts, "
           f"model built in {time.perf_counter() - started:.1f} s (once, not per decision)")
     replay = Replay.of(big, constants.interval_seconds)
-    timed("1,024 instances, H=12", Simulation(replay, model, MigrationCostModel(constants, model.model_shape), HORIZON),
-          1000.0)
+    liveput = build_liveput(model, constants, lookahead=HORIZON, distributed_optimizer=False)
+    timed("1,024 instances, H=12", Simulation(replay, liveput), 1000.0)
     return 0
 
 

@@ -21,7 +21,7 @@ from predictor.forecast import FORECASTERS, make_forecaster
 from predictor.traces import AvailabilityTrace  # noqa: E402
 
 BUDGET_SECONDS = 0.2
-DEFAULT_TRACE = str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "aws-p3" / "p3-trace.csv")
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[1] / "traces" / "aws-p3" / "p3-trace.csv")
 
 
 def main() -> int:

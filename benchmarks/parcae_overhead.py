@@ -10,11 +10,12 @@ The same GPT-tiny training (configs/gpt-tiny.yaml, real data) runs in two ways:
 
 Two figures per iteration, both over the same counted iterations (all but the first
 WARMUP after the last layout change; the first plan comes at iteration 0):
-- wall: the "elapsed time per iteration (ms)" the training script logs (--log-interval 1);
-  a logged window starts after the previous log line, so it holds the iteration
-  boundary's parcae work. The figure is the median over all rounds.
+- wall: the "elapsed time per iteration (ms)" the training script reports (--log-interval 1,
+  in its --parcae-events file); a window starts after the previous iteration was
+  reported, so it holds the iteration boundary's parcae work. The figure is the median
+  over all rounds.
 - CPU: user + system time (every thread) the run's processes spent per counted
-  iteration, read from /proc as each iteration is logged, summed over all rounds:
+  iteration, read from /proc as each iteration is reported, summed over all rounds:
   the training processes (parcae: main loop, agent thread, etcd client threads), and
   the run's other processes (plain: torchrun's agent; parcae: etcd and the coordinator,
   which on a cluster run off the training hosts). Other work on a shared machine moves
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import selectors
 import signal
 import statistics
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import psutil
 
-from reconfig.report import CHANGE_REPORT
+from megatron_parcae.events import Event, EventFollower, Iteration, LayoutChange
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/gpt-tiny.yaml"
@@ -58,8 +58,6 @@ WARMUP = 5
 BAR_PERCENT = 2.0
 RUN_LIMIT_S = 300.0
 
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-
 
 class RunFailed(RuntimeError):
     """A run exited badly, timed out or trained another layout; carries its output."""
@@ -69,7 +67,7 @@ class RunFailed(RuntimeError):
 class RunFigures:
     """One run's counted iterations."""
 
-    iteration_ms: list[float]  # as logged
+    iteration_ms: list[float]  # as reported
     training_cpu_s: float  # CPU time of the training processes over the counted iterations
     side_cpu_s: float  # CPU time of the run's other processes over the same iterations
 
@@ -163,19 +161,21 @@ def _children(pid: int) -> list[int]:
     return [child.pid for child in psutil.Process(pid).children()]
 
 
-def follow(piped: list[subprocess.Popen], training: Callable[[], list[int]], side: list[int],
-           what: str) -> tuple[str, dict[int, tuple[float, float]]]:
-    """Read the piped processes' output until all of them exit 0.
+def follow(piped: list[subprocess.Popen], events: Path, training: Callable[[], list[int]], side: list[int],
+           what: str) -> tuple[str, list[Event], dict[int, tuple[float, float]]]:
+    """Read the piped processes' output until all of them exit 0, and their events.
 
-    Returns the output and, for each logged iteration, the CPU seconds the training and
-    the side processes had spent when its line arrived.
+    Returns the output, the events and, for each reported iteration, the CPU seconds the
+    training and the side processes had spent when its log line arrived (an event is
+    written before its log line is printed, so output is when to read new events).
     """
     deadline = time.monotonic() + RUN_LIMIT_S
     selector = selectors.DefaultSelector()
     for proc in piped:
         selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
     chunks: list[str] = []
-    pending = ""
+    follower = EventFollower(events)
+    reported: list[Event] = []
     cpu_at: dict[int, tuple[float, float]] = {}
     while selector.get_map() and time.monotonic() < deadline:
         for key, _ in selector.select(timeout=1.0):
@@ -183,12 +183,12 @@ def follow(piped: list[subprocess.Popen], training: Callable[[], list[int]], sid
             if not data:
                 selector.unregister(key.fileobj)
                 continue
-            text = data.decode(errors="replace")
-            chunks.append(text)
-            *lines, pending = (pending + text).split("\n")
-            for line in lines:
-                if m := _ITERATION.search(line):
-                    cpu_at[int(m.group(1))] = (_cpu_seconds(training()), _cpu_seconds(side))
+            chunks.append(data.decode(errors="replace"))
+            for event in follower.read():
+                reported.append(event)
+                if isinstance(event, Iteration):
+                    cpu_at[event.iteration] = (_cpu_seconds(training()), _cpu_seconds(side))
+    reported += follower.read()
     output = "".join(chunks)
     try:
         for proc in piped:
@@ -199,34 +199,35 @@ def follow(piped: list[subprocess.Popen], training: Callable[[], list[int]], sid
     if any(code != 0 for code in codes):
         raise RunFailed(f"{what}: exit codes {codes} (None: still running after {RUN_LIMIT_S:.0f} s):\n"
                         f"{output[-3000:]}")
-    return output, cpu_at
+    return output, reported, cpu_at
 
 
-def figures(output: str, cpu_at: dict[int, tuple[float, float]], processes: int, what: str) -> RunFigures:
+def figures(output: str, events: list[Event], cpu_at: dict[int, tuple[float, float]], processes: int,
+            what: str) -> RunFigures:
     """The counted iterations of a run that must have trained T=1, P=1, D=processes only."""
-    changes = list(CHANGE_REPORT.finditer(output))
-    layouts = {(int(m["tp"]), int(m["pp"]), int(m["dp"])) for m in changes}
+    changes = [e for e in events if isinstance(e, LayoutChange)]
+    layouts = {(c.tp, c.pp, c.dp) for c in changes}
     if layouts - {(1, 1, processes)}:
         raise RunFailed(f"{what}: trained layout(s) {sorted(layouts)}, not T=1 P=1 D={processes}:\n{output[-3000:]}")
-    before = max((int(m["iteration"]) for m in changes), default=0) + WARMUP  # the last iteration not counted
-    logged = {int(i): float(ms) for i, ms in _ITERATION.findall(output)}
-    counted = sorted(i for i in logged if i > before)
+    before = max((c.iteration for c in changes), default=0) + WARMUP  # the last iteration not counted
+    reported = {e.iteration: e.ms_per_iteration for e in events if isinstance(e, Iteration)}
+    counted = sorted(i for i in reported if i > before)
     if not counted or before not in cpu_at or counted != list(range(before + 1, counted[-1] + 1)):
-        raise RunFailed(f"{what}: iterations {before} to the end not all logged:\n{output[-3000:]}")
+        raise RunFailed(f"{what}: iterations {before} to the end not all reported:\n{output[-3000:]}")
     last = counted[-1]
-    return RunFigures([logged[i] for i in counted], cpu_at[last][0] - cpu_at[before][0],
+    return RunFigures([reported[i] for i in counted], cpu_at[last][0] - cpu_at[before][0],
                       cpu_at[last][1] - cpu_at[before][1])
 
 
 # -- the two ways to run -------------------------------------------------------------
 
 
-def run_plain(processes: int, iterations: int) -> RunFigures:
+def run_plain(processes: int, iterations: int, events: Path) -> RunFigures:
     what = f"plain torchrun, {processes} processes"
     torchrun = _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc_per_node={processes}", "scripts/pretrain_gpt.py", *BASE,
                        "--train-iters", str(iterations), "--tensor-model-parallel-size", "1",
-                       "--pipeline-model-parallel-size", "1"])
+                       "--pipeline-model-parallel-size", "1", "--parcae-events", str(events)])
     workers: list[int] = []
 
     def training() -> list[int]:
@@ -235,10 +236,10 @@ def run_plain(processes: int, iterations: int) -> RunFigures:
         return workers
 
     try:
-        output, cpu_at = follow([torchrun], training, [torchrun.pid], what)
+        output, events_seen, cpu_at = follow([torchrun], events, training, [torchrun.pid], what)
     finally:
         _stop(torchrun)
-    return figures(output, cpu_at, processes, what)
+    return figures(output, events_seen, cpu_at, processes, what)
 
 
 def write_coordinator_config(processes: int, workdir: Path) -> Path:
@@ -263,7 +264,7 @@ def write_coordinator_config(processes: int, workdir: Path) -> Path:
     return path
 
 
-def run_parcae(processes: int, iterations: int, config: Path) -> RunFigures:
+def run_parcae(processes: int, iterations: int, config: Path, events: Path) -> RunFigures:
     from megatron_parcae.control.etcd import EtcdServer
 
     what = f"--parcae, {processes} workers"
@@ -279,13 +280,14 @@ def run_parcae(processes: int, iterations: int, config: Path) -> RunFigures:
         for worker in range(processes):
             workers.append(_start([sys.executable, "scripts/pretrain_gpt.py", *BASE, "--train-iters", str(iterations),
                                    "--parcae", "--parcae-etcd", server.endpoint, "--parcae-job", job,
-                                   "--parcae-worker-id", str(worker)]))
+                                   "--parcae-worker-id", str(worker), "--parcae-events", str(events)]))
             started.append(workers[-1])
         try:
-            output, cpu_at = follow(workers, lambda: [w.pid for w in workers], [server.pid, coordinator.pid], what)
+            output, events_seen, cpu_at = follow(workers, events, lambda: [w.pid for w in workers],
+                                                 [server.pid, coordinator.pid], what)
         except RunFailed as exc:
             raise RunFailed(f"{exc}\ncoordinator:\n{coordinator_log.read_text(errors='replace')[-2000:]}") from None
-        return figures(output, cpu_at, processes, what)
+        return figures(output, events_seen, cpu_at, processes, what)
     finally:
         for proc in started:
             _stop(proc)
@@ -297,7 +299,9 @@ def measure(processes: int, iterations: int, rounds: int, workdir: Path) -> Comp
     result = Comparison(processes)
     for number in range(rounds):
         for mode in MODES if number % 2 == 0 else reversed(MODES):
-            run = run_plain(processes, iterations) if mode == "plain" else run_parcae(processes, iterations, config)
+            events = workdir / f"{mode}-{processes}-{number}.events.jsonl"  # the workers of a run share it
+            run = (run_plain(processes, iterations, events) if mode == "plain"
+                   else run_parcae(processes, iterations, config, events))
             result.runs[mode].append(run)
             print(f"  N={processes} round {number + 1}/{rounds} {mode:6}: median {statistics.median(run.iteration_ms):7.1f}"
                   f" ms, CPU {(run.training_cpu_s + run.side_cpu_s) * 1000.0 / len(run.iteration_ms):7.1f} ms "
@@ -324,7 +328,7 @@ def report(comparisons: list[Comparison]) -> bool:
     worst = max((c.wall_ratio - 1.0) * 100.0 for c in comparisons)
     print(f"--parcae costs at most {BAR_PERCENT:.0f}% per iteration (wall): {'yes' if worst <= BAR_PERCENT else 'NO'} "
           f"(worst {worst:+.2f}%)")
-    print("wall: median over all rounds of the logged per-iteration time. CPU: user + system time per counted "
+    print("wall: median over all rounds of the reported per-iteration time. CPU: user + system time per counted "
           "iteration, all rounds together, of the training processes and of the run's other processes "
           "(plain: torchrun's agent; parcae: etcd + coordinator). round wall ratios: parcae / plain medians "
           "within each round (how far machine noise moves them).")

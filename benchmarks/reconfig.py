@@ -8,15 +8,16 @@ script; the ratios are restart / migration. Bars: intra-stage at least 10x, pipe
 least 3x; planning for 1,024 ranks under 1 s. Exits 1 if a run fails or a bar is missed.
 
 How it is measured:
-- migration: the "elapsed time per iteration" the training script logs for the first
-  iteration after the change. Its window starts right after the previous iteration's log
-  line, so it covers the whole change (plan, groups, state transfer, rebuild) plus that
-  first step. The change's own log line (change alone) and the step before are shown too.
-- checkpoint-restart: save (this script's clock from the iteration line before the save
-  to the "saved checkpoint" line) + kill (SIGKILL to torchrun and its workers until all
-  are gone) + start (launching the new torchrun to its first iteration line, loading
-  included). The checkpoint is saved once by the initial layout (1,2,2); each restart loads
-  it into the layout its migration went to.
+- migration: the "elapsed time per iteration" the training script reports for the first
+  iteration after the change. Its window starts right after the previous iteration was
+  reported, so it covers the whole change (plan, groups, state transfer, rebuild) plus
+  that first step. The change's own figure (change alone) and the step before are shown too.
+- checkpoint-restart: save (from the iteration event before the save to the save event)
+  + kill (SIGKILL to torchrun and its workers until all are gone) + start (launching the
+  new torchrun to its first iteration event, loading included). The checkpoint is saved
+  once by the initial layout (1,2,2); each restart loads it into the layout its migration
+  went to. Every figure comes from the jobs' events (--parcae-events), time-stamped by
+  the training process.
 
     nice python -m benchmarks.reconfig
 """
@@ -24,18 +25,18 @@ How it is measured:
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from reconfig.report import CHANGE_REPORT
+from megatron_parcae.events import Event, EventFollower, Iteration, LayoutChange, Save
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,9 +46,7 @@ DECISION = 3  # iterations done before the first change and before the save
 RUN_LIMIT_S = 300.0
 BARS = {"intra-stage": 10.0, "pipeline": 3.0}
 PLAN_LIMIT_S = 1.0
-
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-_SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
+POLL_S = 0.02  # how often a running job's events file is read
 
 
 @dataclass(frozen=True)
@@ -69,19 +68,17 @@ MIGRATION_RUNS = (
 
 @dataclass
 class Job:
-    """A torchrun job's output lines, each with the time this script read it."""
+    """A torchrun job's events, and its log for error messages."""
 
-    lines: list[tuple[float, str]]
+    events: list[Event]
+    log: Path
     returncode: int | None
 
-    def first(self, pattern: re.Pattern[str]) -> tuple[float, re.Match[str]] | None:
-        return next(((t, m) for t, line in self.lines if (m := pattern.search(line))), None)
-
-    def all(self, pattern: re.Pattern[str]) -> list[re.Match[str]]:
-        return [m for _, line in self.lines if (m := pattern.search(line))]
+    def all(self, kind: type[Event]) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
 
     def tail(self, chars: int = 3000) -> str:
-        return "".join(line for _, line in self.lines)[-chars:]
+        return self.log.read_text(errors="replace")[-chars:]
 
 
 @dataclass(frozen=True)
@@ -99,12 +96,13 @@ class RunFailed(RuntimeError):
     """A job exited badly or did not log what it should; carries its output."""
 
 
-def launch(nproc: int, args: list[str]) -> subprocess.Popen:
+def launch(nproc: int, args: list[str], files: Path) -> subprocess.Popen:
+    """Start torchrun; its output goes to `files`.log, its events to `files`.events.jsonl."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "scripts" / "pretrain_gpt.py"), *args]
+           str(REPO / "scripts" / "pretrain_gpt.py"), *args, "--parcae-events", f"{files}.events.jsonl"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
+    with open(f"{files}.log", "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def kill_job(proc: subprocess.Popen) -> None:
@@ -134,76 +132,81 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
-def follow(proc: subprocess.Popen, stop: re.Pattern[str] | None = None) -> Job:
-    """Read the job's output until it ends, or until a line matches `stop` (the job is then left running)."""
+def follow(proc: subprocess.Popen, files: Path, stop: Callable[[Event], bool] | None = None) -> Job:
+    """Read the job's events until it ends, or until one is `stop` (the job is then left running)."""
     watchdog = threading.Timer(RUN_LIMIT_S, kill_job, [proc])
     watchdog.start()
-    lines: list[tuple[float, str]] = []
+    follower = EventFollower(f"{files}.events.jsonl")
+    events: list[Event] = []
     try:
-        for line in proc.stdout:
-            lines.append((time.perf_counter(), line))
-            if stop is not None and stop.search(line):
-                return Job(lines, None)
-        return Job(lines, proc.wait())
+        while True:
+            ended = proc.poll() is not None
+            events += follower.read()
+            if stop is not None and any(stop(e) for e in events):
+                return Job(events, Path(f"{files}.log"), None)
+            if ended:
+                return Job(events, Path(f"{files}.log"), proc.returncode)
+            time.sleep(POLL_S)
     finally:
         watchdog.cancel()
 
 
-def run_migrations(run: MigrationRun) -> list[Migration]:
+def run_migrations(run: MigrationRun, files: Path) -> list[Migration]:
     tp, pp, _ = INITIAL
     proc = launch(4, BASE + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                              "--train-iters", str(run.train_iters), "--parcae", "--parcae-layout-schedule",
-                             run.schedule])
-    job = follow(proc)
-    step_ms = {int(m.group(1)): float(m.group(2)) for m in job.all(_ITERATION)}
-    changes = job.all(CHANGE_REPORT)
+                             run.schedule], files)
+    job = follow(proc, files)
+    step_ms = {e.iteration: e.ms_per_iteration for e in job.all(Iteration)}
+    changes: list[LayoutChange] = job.all(LayoutChange)
     if job.returncode != 0 or len(changes) != len(run.names):
         raise RunFailed(f"schedule {run.schedule!r}: exit {job.returncode}, {len(changes)} of {len(run.names)} "
-                        f"changes logged:\n{job.tail()}")
+                        f"changes reported:\n{job.tail()}")
     out = []
-    for name, m in zip(run.names, changes):
-        at = int(m["iteration"])
-        if at not in step_ms or at + 1 not in step_ms:
-            raise RunFailed(f"schedule {run.schedule!r}: iterations {at}, {at + 1} not both logged:\n{job.tail()}")
-        out.append(Migration(name, m["kind"], (int(m["tp"]), int(m["pp"]), int(m["dp"])),
-                             int(m["bytes"]), float(m["ms"]), step_ms[at], step_ms[at + 1]))
+    for name, c in zip(run.names, changes):
+        if c.iteration not in step_ms or c.iteration + 1 not in step_ms:
+            raise RunFailed(f"schedule {run.schedule!r}: iterations {c.iteration}, {c.iteration + 1} not both "
+                            f"reported:\n{job.tail()}")
+        out.append(Migration(name, c.kind, (c.tp, c.pp, c.dp), c.bytes_planned, c.seconds * 1000.0,
+                             step_ms[c.iteration], step_ms[c.iteration + 1]))
     return out
 
 
-def save_and_kill(directory: str) -> tuple[float, float]:
+def save_and_kill(directory: str, workdir: Path) -> tuple[float, float]:
     """The initial job saves after DECISION iterations and is killed at once: (save s, kill s)."""
     tp, pp, _ = INITIAL
+    files = workdir / "save"
     proc = launch(4, BASE + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                              "--train-iters", str(DECISION + 100), "--save", directory,
-                             "--save-interval", str(DECISION)])
+                             "--save-interval", str(DECISION)], files)
     try:
-        job = follow(proc, stop=_SAVED)
+        job = follow(proc, files, stop=lambda e: isinstance(e, Save))
         killed = time.perf_counter()
     finally:
         kill_job(proc)
     kill_s = time.perf_counter() - killed
-    saved = job.first(_SAVED)
-    before = next((t for t, line in job.lines if (m := _ITERATION.search(line)) and int(m.group(1)) == DECISION),
-                  None)
+    saved = next(iter(job.all(Save)), None)
+    before = next((e for e in job.all(Iteration) if e.iteration == DECISION), None)
     if saved is None or before is None:
-        raise RunFailed(f"checkpoint job: no save logged after iteration {DECISION}:\n{job.tail()}")
-    return saved[0] - before, kill_s
+        raise RunFailed(f"checkpoint job: no save reported after iteration {DECISION}:\n{job.tail()}")
+    return saved.time - before.time, kill_s
 
 
-def restart(directory: str, layout: tuple[int, int, int]) -> float:
-    """Seconds from launching torchrun on the checkpoint to its first iteration line (then it is killed)."""
+def restart(directory: str, layout: tuple[int, int, int], workdir: Path) -> float:
+    """Seconds from launching torchrun on the checkpoint to its first iteration event (then it is killed)."""
     tp, pp, dp = layout
-    started = time.perf_counter()
+    files = workdir / f"restart-{tp}-{pp}-{dp}"
+    started = time.time()  # the clock of the events' time stamps
     proc = launch(tp * pp * dp, BASE + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
-                                        str(pp), "--train-iters", str(DECISION + 100), "--load", directory])
+                                        str(pp), "--train-iters", str(DECISION + 100), "--load", directory], files)
     try:
-        job = follow(proc, stop=_ITERATION)
+        job = follow(proc, files, stop=lambda e: isinstance(e, Iteration))
     finally:
         kill_job(proc)
-    first = job.first(_ITERATION)
-    if first is None or int(first[1].group(1)) != DECISION + 1:
+    first = next(iter(job.all(Iteration)), None)
+    if first is None or first.iteration != DECISION + 1:
         raise RunFailed(f"restart into {layout}: exit {job.returncode}, no iteration {DECISION + 1}:\n{job.tail()}")
-    return first[0] - started
+    return first.time - started
 
 
 def plan_times() -> list[tuple[str, str, int, float]]:
@@ -221,18 +224,20 @@ def plan_times() -> list[tuple[str, str, int, float]]:
 def main() -> int:
     ok = True
     migrations: list[Migration] = []
-    for run in MIGRATION_RUNS:
-        try:
-            migrations += run_migrations(run)
-        except RunFailed as exc:
-            ok = False
-            print(f"MIGRATION FAILED: {exc}", flush=True)
     restart_s: dict[tuple[int, int, int], float] = {}
-    with tempfile.TemporaryDirectory(prefix="parcae-bench-ckpt-") as directory:
+    with tempfile.TemporaryDirectory(prefix="parcae-bench-") as tmp:
+        workdir = Path(tmp)
+        for number, run in enumerate(MIGRATION_RUNS):
+            try:
+                migrations += run_migrations(run, workdir / f"migrations-{number}")
+            except RunFailed as exc:
+                ok = False
+                print(f"MIGRATION FAILED: {exc}", flush=True)
+        directory = str(workdir / "checkpoints")
         try:
-            save_s, kill_s = save_and_kill(directory)
+            save_s, kill_s = save_and_kill(directory, workdir)
             for layout in dict.fromkeys(m.layout for m in migrations):
-                restart_s[layout] = restart(directory, layout)
+                restart_s[layout] = restart(directory, layout, workdir)
         except RunFailed as exc:
             ok = False
             print(f"CHECKPOINT-RESTART FAILED: {exc}", flush=True)
@@ -254,8 +259,8 @@ def main() -> int:
     if restart_s:
         print(f"checkpoint-restart = save {save_s:.2f} s + kill {kill_s:.2f} s + start to first step "
               + ", ".join(f"{','.join(map(str, k))}: {v:.2f} s" for k, v in restart_s.items()))
-    print("change ms: the change's own log line; step ms: the step before it; migr. s: decision to first "
-          "completed step (the first step's logged elapsed time)")
+    print("change ms: the change's own figure; step ms: the step before it; migr. s: decision to first "
+          "completed step (the first step's reported elapsed time)")
     for kind, bar in BARS.items():
         met = kind in ratios and ratios[kind] >= bar
         ok &= met

@@ -37,11 +37,10 @@ from reconfig.optimizer_state import (
     initialize_optimizer_states,
     step_count,
 )
-from reconfig.layout import ModelShape, Parallelism
-from reconfig.report import migration_line
+from reconfig.layout import Parallelism
 from reconfig.plan import OPTIMIZER, PARAMS, PARAMS_AND_OPTIMIZER, MigrationPlan, Range, Transfer
 from reconfig.tensors import ParamShard, param_shards, unwrap
-from reconfig.world import World, live_process_groups
+from reconfig.world import World, data_device, live_process_groups
 
 _KEYS_OF_STATE = {PARAMS_AND_OPTIMIZER: STATE_KEYS, PARAMS: ("param",), OPTIMIZER: ("exp_avg", "exp_avg_sq")}
 _WHOLE: Range = (Fraction(0), Fraction(1))
@@ -161,7 +160,7 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None) -> list
                 raise MigrationError(f"plan has worker {me} send {t.unit}, but it holds no state")
             items = _outgoing(held, t)
             header = json.dumps([[n, k, v.numel()] for n, k, v in items]).encode()
-            payload = torch.cat([v for _, _, v in items]).float()
+            payload = torch.cat([v for _, _, v in items]).float().to(data_device())
             messages = [torch.tensor([len(header), payload.numel()], dtype=torch.int64),
                         torch.frombuffer(bytearray(header), dtype=torch.uint8)]
             messages += [payload] if payload.numel() else []
@@ -173,7 +172,7 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None) -> list
     for index, t, sizes, request in incoming:
         request.wait()
         header = torch.empty(int(sizes[0]), dtype=torch.uint8)
-        payload = torch.empty(int(sizes[1]), dtype=torch.float32)
+        payload = torch.empty(int(sizes[1]), dtype=torch.float32, device=data_device())
         waits = [dist.irecv(header, rank_of[t.src], tag=3 * index + 1)]
         waits += [dist.irecv(payload, rank_of[t.src], tag=3 * index + 2)] if payload.numel() else []
         bodies.append((t, header, payload, waits))
@@ -207,7 +206,7 @@ def _assemble(runtime: Runtime, held: HeldState | None, received: list[_Received
         states[name] = {}
         for key in STATE_KEYS:
             states[name][key] = torch.zeros(shard.param.shape, dtype=torch.float32, device=shard.param.device)
-            filled[name, key] = torch.zeros(shard.param.shape, dtype=torch.bool)
+            filled[name, key] = torch.zeros(shard.param.shape, dtype=torch.bool, device=shard.param.device)
         if held is None or name not in held.tensors:
             continue
         old = held.shards[name]
@@ -359,20 +358,24 @@ def layout_args(args: argparse.Namespace, parallelism: Parallelism) -> argparse.
     })
 
 
-def model_shape(args: argparse.Namespace, vocab_size: int) -> ModelShape:
-    """What the planner needs to know of the model the arguments describe."""
-    half = args.bf16 or args.fp16
-    return ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
-                      args.ffn_hidden_size, vocab_size, args.max_position_embeddings,
-                      param_bytes_per_param=2 if half else 4, optimizer_bytes_per_param=12 if half else 8)
-
-
 def resident_mib() -> float:
     """This process's resident memory (for leak checks across layout changes)."""
     return psutil.Process().memory_info().rss / 2**20
 
 
-def change_report(plan: MigrationPlan, generation: int, iteration: int, started: float) -> str:
-    """The log line of an applied migration (rank 0 prints it; the spot emulator reads it)."""
-    return migration_line(plan.kind, generation, iteration, plan.new.parallelism, plan.bytes_total(),
-                          time.perf_counter() - started, live_process_groups(), resident_mib())
+@dataclass(frozen=True)
+class ChangeFigures:
+    """What an applied migration moved and cost, for rank 0 to report."""
+
+    kind: str
+    parallelism: Parallelism
+    bytes_planned: int
+    seconds: float  # from `started` until the new layout could train
+    process_groups: int  # live after it (a leak shows here)
+    resident_mib: float
+
+
+def change_figures(plan: MigrationPlan, started: float) -> ChangeFigures:
+    """The figures of `plan`, applied since time.perf_counter() read `started`."""
+    return ChangeFigures(plan.kind, plan.new.parallelism, plan.bytes_total(), time.perf_counter() - started,
+                         live_process_groups(), resident_mib())

@@ -19,6 +19,8 @@ State units (what one pipeline stage can hold, by name):
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -27,6 +29,12 @@ WORD_EMBEDDING = "embedding.word"
 POSITION_EMBEDDING = "embedding.position"
 HEAD = "head"
 MODEL_KINDS = ("gpt", "bert")
+# How `ModelShape.problems` names what it checks; argument parsing passes flag names instead.
+LAYOUT_NAMES = {
+    "num_attention_heads": "model.num_attention_heads", "ffn_hidden_size": "model.ffn_hidden_size",
+    "tp": "layout.tp", "dp": "layout.dp", "stage_layers": "layout.stage_layers",
+    "micro_batch_size": "micro_batch_size", "global_batch_size": "global_batch_size",
+}
 
 
 def layer_unit(layer: int) -> str:
@@ -143,14 +151,41 @@ class ModelShape:
         except KeyError:
             raise ValueError(f"unknown state unit {name!r} for a {self.num_layers}-layer {self.kind}") from None
 
-    def check(self, parallelism: Parallelism) -> None:
-        """Raise ValueError if megatron-core cannot build this model with `parallelism`."""
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, vocab_size: int) -> ModelShape:
+        """The model a run's Megatron-LM arguments describe, `vocab_size` as built; state
+        bytes per parameter follow from --bf16/--fp16 (see the class docstring)."""
+        half = args.bf16 or args.fp16
+        return cls(args.model, args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size,
+                   vocab_size, args.max_position_embeddings,
+                   param_bytes_per_param=2 if half else 4, optimizer_bytes_per_param=12 if half else 8)
+
+    def problems(self, parallelism: Parallelism, micro_batch_size: int | None = None,
+                 global_batch_size: int | None = None, names: Mapping[str, str] = LAYOUT_NAMES) -> list[str]:
+        """Why megatron-core cannot train this model in `parallelism`; empty when it can.
+
+        Given the batch sizes, D must also split the global batch into whole micro-batches.
+        Every place that asks whether a layout fits a model asks here, so the argument
+        parser, the live worker, the planner and the throughput models agree.
+        """
+        found = []
         if sum(parallelism.stage_layers) != self.num_layers:
-            raise ValueError(f"layout.stage_layers: sums to {sum(parallelism.stage_layers)}, "
-                             f"the model has {self.num_layers} layers")
+            found.append(f"{names['stage_layers']}: sums to {sum(parallelism.stage_layers)}, "
+                         f"the model has {self.num_layers} layers")
         for name in ("num_attention_heads", "ffn_hidden_size"):
             if getattr(self, name) % parallelism.tp:
-                raise ValueError(f"layout.tp: {parallelism.tp} does not divide model.{name} {getattr(self, name)}")
+                found.append(f"{names[name]} {getattr(self, name)} is not divisible by {names['tp']} {parallelism.tp}")
+        if global_batch_size is not None and global_batch_size % (micro_batch_size * parallelism.dp):
+            found.append(f"{names['global_batch_size']} {global_batch_size} is not divisible by "
+                         f"{names['micro_batch_size']} {micro_batch_size} x {names['dp']} {parallelism.dp}")
+        return found
+
+    def check(self, parallelism: Parallelism, micro_batch_size: int | None = None,
+              global_batch_size: int | None = None) -> None:
+        """Raise ValueError naming every one of `problems`."""
+        found = self.problems(parallelism, micro_batch_size, global_batch_size)
+        if found:
+            raise ValueError("; ".join(found))
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -185,6 +220,25 @@ def partition_layers(num_layers: int, pp: int, first_stage_layers: int | None = 
                          f"leaves {rest} layers for {middle_count} even stages")
     even = rest // middle_count if middle_count else 0
     return ((first if first is not None else even),) + (even,) * (pp - 2) + ((last if last is not None else even),)
+
+
+def buildable_partitions(num_layers: int, pp: int) -> list[tuple[int, ...]]:
+    """Every split `partition_layers` gives for some first and last stage, fewest layers
+    per middle stage first, then the lightest first stage."""
+    if pp == 1:
+        return [partition_layers(num_layers, 1)]
+    middles = range(1, (num_layers - 2) // (pp - 2) + 1) if pp > 2 else (0,)
+    return [partition_layers(num_layers, pp, first, ends - first)
+            for ends in (num_layers - (pp - 2) * middle for middle in middles) for first in range(1, ends)]
+
+
+def balanced_partition(num_layers: int, pp: int) -> tuple[int, ...]:
+    """The buildable split whose largest stage is smallest (ties: the most even, then the
+    lighter first stage, which also holds the embedding)."""
+    options = buildable_partitions(num_layers, pp)
+    if not options:
+        raise ValueError(f"{num_layers} layers cannot be split over {pp} pipeline stages")
+    return min(options, key=lambda s: (max(s), max(s) - min(s), s[0]))
 
 
 @dataclass(frozen=True)

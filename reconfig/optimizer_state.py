@@ -18,6 +18,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
+from reconfig import compat
 from reconfig.tensors import ParamShard, param_shards, unwrap
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -57,7 +58,7 @@ def initialize_optimizer_states(optimizer) -> None:
     """Create Adam's lazily made state so that it can be written before the first step."""
     for opt in _optimizers(optimizer):
         if isinstance(opt, DistributedOptimizer):
-            opt._init_optimizer_states_with_dummy_values()
+            compat.init_distributed_optimizer_states(opt)
             continue
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
@@ -101,8 +102,8 @@ def _gather_distributed(opt: DistributedOptimizer, shards: list[ParamShard]) -> 
     offset = 0
     for shard, size in zip(shards, sizes):
         if shard.param in opt.model_param_group_index_map:
-            rng = opt._get_model_param_range_map(shard.param)["param"]
-            local = opt._get_main_param_and_optimizer_states(shard.param)
+            rng = compat.param_range(opt, shard.param)
+            local = compat.main_param_and_optimizer_states(opt, shard.param)
             for i, key in enumerate(STATE_KEYS):
                 flat[i, offset + rng.start: offset + rng.end] = local[key].detach().float().view(-1)
         offset += size
@@ -135,8 +136,8 @@ def import_param_states(model_chunks, optimizer, states: dict[str, dict[str, tor
                         continue
                     model_param.copy_(tensors["param"])
                     if model_param in opt.model_param_group_index_map:
-                        rng = opt._get_model_param_range_map(model_param)["param"]
-                        local = opt._get_main_param_and_optimizer_states(model_param)
+                        rng = compat.param_range(opt, model_param)
+                        local = compat.main_param_and_optimizer_states(opt, model_param)
                         for key in STATE_KEYS:
                             local[key].copy_(tensors[key].reshape(-1)[rng.start: rng.end].view_as(local[key]))
                 continue

@@ -4,7 +4,7 @@ torch.distributed has one WORLD per process; when the job's membership or rank o
 changes it is destroyed and created anew on a store scoped to the generation, so a
 message or key of an older generation can never reach the new one. megatron-core's
 `destroy_model_parallel` neither destroys the groups it created nor resets all of its
-globals (../shared/notes/megatron-core-0.16.md); `release_parallel_state` does both, so
+globals (docs/megatron-core.md); `release_parallel_state` does both, so
 twenty layout changes leave as many live groups as one.
 
 No wait on a peer is unbounded: members meet on the store before WORLD is created
@@ -20,17 +20,29 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from torch.distributed import distributed_c10d
 
-# parallel_state's module state: groups, rank lists, cached sizes and ranks (all None
-# before the first initialize_model_parallel, one dict of groups).
-_PARALLEL_STATE_GLOBAL = re.compile(r"^_[A-Z][A-Z0-9_]*$")
+from reconfig import compat
+
 _TIMEOUT = timedelta(minutes=10)
 _MEET_POLL_SECONDS = 0.05
 # What gloo and NCCL say when a peer is gone or silent (they raise plain RuntimeErrors).
 _PEER_FAILURE = re.compile(r"gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Tt]imed out|[Bb]roken pipe")
+
+
+def process_group_backend() -> str:
+    """WORLD's backends: on GPUs, CPU tensors (the small control collectives: plan
+    agreement, progress, sizes, headers, logged losses) go over gloo and device tensors
+    (parameters, gradients, optimizer state) over NCCL; gloo alone on CPU. Keeping the
+    control plane on gloo also keeps its timeouts and failure detection alike on both."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def data_device() -> torch.device:
+    """Where this process's data-plane tensors live: its GPU, or the CPU without one."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class WorldBroken(RuntimeError):
@@ -47,18 +59,16 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def live_process_groups() -> int:
     """Process groups this process holds, WORLD included (for leak checks)."""
-    return len(dist.distributed_c10d._world.pg_map)
+    return len(compat.process_group_map())
 
 
 def release_parallel_state() -> None:
     """Destroy megatron-core's groups and reset every parallel_state global."""
-    groups = [g for g in (ps._global_process_group_list or []) if g is not None]
+    groups = compat.megatron_process_groups()
     ps.destroy_model_parallel()
-    for name, value in list(vars(ps).items()):
-        if _PARALLEL_STATE_GLOBAL.match(name):
-            setattr(ps, name, {} if isinstance(value, dict) else None)
+    compat.reset_parallel_state()
     for group in groups:
-        if group in dist.distributed_c10d._world.pg_map:
+        if group in compat.process_group_map():
             dist.destroy_process_group(group)
 
 
@@ -85,7 +95,7 @@ class World:
     @classmethod
     def from_torchrun(cls) -> World:
         """Adopt the WORLD torchrun made: worker id = torchrun rank, its store for later generations."""
-        store = dist.distributed_c10d._get_default_store()  # kept alive here after WORLD is destroyed
+        store = compat.default_store()  # kept alive here after WORLD is destroyed
         return cls(dist.get_rank(), range(dist.get_world_size()), store, dist.get_backend())
 
     def reform(self, members: Sequence[int], key: str) -> None:
@@ -103,10 +113,7 @@ class World:
         self.members = members if self.worker in members else ()
         if self.members:
             self.sync(f"{key}/arrived")
-            # torch names groups by a per-process count (store keys `<count>/...`) that it
-            # resets when WORLD is destroyed; a WORLD whose creation failed (a peer never
-            # came) counted one anyway, and peers that count differently never meet.
-            distributed_c10d._world.group_count = 0
+            compat.reset_group_count()
             dist.init_process_group(self._backend, store=dist.PrefixStore(f"parcae/{key}/", self._store),
                                     rank=members.index(self.worker), world_size=len(members),
                                     timeout=self.collective_timeout)

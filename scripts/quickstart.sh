@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/parcae replay --trace "${PARCAE_SHARED:-../shared}/traces/aws-p3/p3-trace.csv" --start-hour 0.5 --end-hour 1.5 \
+.venv/bin/parcae replay --trace traces/aws-p3/p3-trace.csv --start-hour 0.5 --end-hour 1.5 \
   --max-instances 6 --speedup 20 --grace-seconds 10 --profile configs/profiles/gpt-tiny-cpu.json \
   --baseline checkpoint-restart --workdir replay --json replay/summary.json --plot replay/timeline.png \
   -- scripts/pretrain_gpt.py --config configs/gpt-tiny.yaml --train-iters 100000 "$@"

@@ -1,9 +1,8 @@
-"""Shared test set-up: where the repository and ../shared are, the tiny datasets, one etcd."""
+"""Shared test set-up: where the repository, its traces and anchors are, the tiny datasets, one etcd."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import uuid
@@ -12,10 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# CI clones the repository with shared/ beside it; PARCAE_SHARED points elsewhere.
-SHARED = Path(os.environ.get("PARCAE_SHARED", REPO.parent / "shared"))
-TRACES = SHARED / "traces"
-ANCHORS = SHARED / "anchors" / "parcae"
+TRACES = REPO / "traces"
+ANCHORS = REPO / "benchmarks" / "anchors" / "parcae"
 
 
 @pytest.fixture(scope="session")
@@ -94,8 +91,7 @@ def secure_server(tmp_path_factory):
         yield server, client_tls
 
 
-# The live jobs of test_live.py and test_recovery.py: GPT-tiny, with the losses logged.
-LIVE_LOSS = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|")
+# The live jobs of test_live.py and test_recovery.py: GPT-tiny, with the losses reported.
 ITERS = 30
 TRAIN = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
 
@@ -106,6 +102,13 @@ def _env() -> dict[str, str]:
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def worker_events(logs: Path) -> list:
+    """The events every worker of a `live_job` wrote (worker-ID.events.jsonl), in time order."""
+    from megatron_parcae.events import read_events
+
+    return sorted((e for path in logs.glob("worker-*.events.jsonl") for e in read_events(path)), key=lambda e: e.time)
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +142,8 @@ def live_job(etcd_server, client, tmp_path):
         p = _start([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae", "--parcae-etcd",
                     etcd_server.endpoint, "--parcae-job", job, "--parcae-worker-id", str(worker_id),
                     "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5",
-                    "--save", str(tmp_path / "checkpoints"), "--save-interval", "4", "--async-save"],
+                    "--save", str(tmp_path / "checkpoints"), "--save-interval", "4", "--async-save",
+                    "--parcae-events", str(tmp_path / f"worker-{worker_id}.events.jsonl")],
                    tmp_path / f"worker-{worker_id}.log")
         processes.append(p)
         return p

@@ -1,17 +1,17 @@
-"""Run the real pretraining scripts under torchrun and read what they log."""
+"""Run the real pretraining scripts under torchrun and read the events they write."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import REPO
-
-_LOSS = re.compile(r"iteration\s+(\d+)/.*?\| lm loss: ([0-9.E+-]+) \|")
+from megatron_parcae.events import Event, Iteration, read_events
 
 # Small enough that a 4-process run of 10-20 iterations takes seconds on 2 cores.
 SMALL_GPT = ["--config", "configs/gpt-tiny.yaml", "--num-layers", "4", "--hidden-size", "64",
@@ -23,18 +23,39 @@ def layout_flags(tp: int, pp: int) -> list[str]:
     return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
 
 
-def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "scripts" / script), *args]
+@dataclass(frozen=True)
+class Run:
+    """A finished torchrun job: its exit code, output, and the events rank 0 of its layouts wrote."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    events: list[Event]
+
+    def of(self, kind: type[Event]) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600) -> Run:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="parcae-test-events-") as tmp:
+        events = Path(tmp) / "events.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "scripts" / script), *args, "--parcae-events", str(events)]
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return Run(done.returncode, done.stdout, done.stderr, read_events(events) if events.exists() else [])
 
 
-def losses(result: subprocess.CompletedProcess) -> dict[int, float]:
-    """Logged lm loss by iteration; fails with the run's output when the run failed."""
-    assert result.returncode == 0, f"run failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    found = {int(i): float(v) for i, v in _LOSS.findall(result.stdout)}
-    assert found, f"no loss logged:\n{result.stdout[-2000:]}"
+def trained_losses(events: list[Event]) -> dict[int, float]:
+    """The lm loss of each reported iteration."""
+    return {e.iteration: e.losses["lm loss"] for e in events if isinstance(e, Iteration)}
+
+
+def losses(run: Run) -> dict[int, float]:
+    """Reported lm loss by iteration; fails with the run's output when the run failed."""
+    assert run.returncode == 0, f"run failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    found = trained_losses(run.events)
+    assert found, f"no loss reported:\n{run.stdout[-2000:]}"
     return found
 
 

@@ -26,16 +26,9 @@ from hypothesis import strategies as st
 from test_etcd import LEASE_S, new_job, python_child, wait_for
 
 from megatron_parcae import cli
-from megatron_parcae.control.coordinator import (
-    ConfigError,
-    Coordinator,
-    CoordinatorConfig,
-    CoordinatorState,
-    read_state,
-    state_key,
-)
+from megatron_parcae.control.coordinator import ConfigError, Coordinator, CoordinatorConfig
 from megatron_parcae.control.etcd import JobStore, KeptLease, SchemaError
-from megatron_parcae.control.etcd.keys import MemberRecord, NoticeRecord
+from megatron_parcae.control.etcd.keys import CoordinatorState, MemberRecord, NoticeRecord
 from megatron_parcae.control.status import collect, render
 from reconfig.layout import Layout
 from reconfig.plan import MigrationPlan
@@ -113,8 +106,8 @@ def wait_generation(store: JobStore, generation: int) -> Layout:
 
 def decision(store: JobStore, generation: int) -> dict:
     """The coordinator's record of why it published `generation` (saved just after the plan)."""
-    wait_for(lambda: read_state(store).decisions[-1]["generation"] >= generation, WAIT_S, f"decision {generation}")
-    return read_state(store).decisions[-1]
+    wait_for(lambda: store.coordinator_state().decisions[-1]["generation"] >= generation, WAIT_S, f"decision {generation}")
+    return store.coordinator_state().decisions[-1]
 
 
 def migration(store: JobStore, generation: int) -> MigrationPlan:
@@ -146,7 +139,7 @@ def test_first_plan_covers_the_initial_members_and_a_notice_removes_a_worker(etc
             assert 2 not in second.workers and second.workers <= {0, 1}
             plan = migration(store, 2)
             assert plan.request.leaving == {2} and plan.request.survivors == {0, 1}
-            state = read_state(store)
+            state = store.coordinator_state()
             assert [d["generation"] for d in state.decisions] == [1, 2]
             assert state.decisions[0]["kind"] == "start" and "notice from workers [2]" in state.decisions[1]["reason"]
             assert set(state.admitted) == {str(w) for w in second.workers}
@@ -296,7 +289,7 @@ def test_second_coordinator_waits_and_a_killed_one_is_replaced_from_etcd(etcd_se
         second = coordinator_child(etcd_server.endpoint, store.keys.job, config, tmp_path / "second.log")
         wait_for(lambda: "waiting for leadership" in (tmp_path / "second.log").read_text(), WAIT_S,
                  "the second coordinator to wait")
-        wait_for(lambda: len(read_state(store).history) >= 2, WAIT_S, "two intervals of history")
+        wait_for(lambda: len(store.coordinator_state().history) >= 2, WAIT_S, "two intervals of history")
         layout = Layout.from_dict(store.latest_plan().layout)
         leaving = min(layout.workers)
         workers[leaving].notice(deadline_in=20)
@@ -304,7 +297,7 @@ def test_second_coordinator_waits_and_a_killed_one_is_replaced_from_etcd(etcd_se
                  "the first coordinator to drop the noticed worker")
         assert store.leader().pid == first.pid  # the second one did nothing meanwhile
         assert "published" not in (tmp_path / "second.log").read_text()
-        before = read_state(store)
+        before = store.coordinator_state()
         generation = store.current_generation()
         first.send_signal(signal.SIGKILL)
         first.wait(10)
@@ -315,7 +308,7 @@ def test_second_coordinator_waits_and_a_killed_one_is_replaced_from_etcd(etcd_se
                  "the second coordinator to take over and drop the lost worker")
         assert store.leader().pid == second.pid
         assert gone not in Layout.from_dict(store.latest_plan().layout).workers
-        after = read_state(store)
+        after = store.coordinator_state()
         assert len(after.history) >= len(before.history) and after.boundary_at >= before.boundary_at
         assert [d["generation"] for d in after.decisions][:len(before.decisions)] == \
             [d["generation"] for d in before.decisions]  # it continued the first one's record
@@ -463,7 +456,7 @@ STATE = {"interval_seconds": 60.0, "boundary_at": 1.7e9, "history": [[4, 0, 0], 
 def test_state_record_is_validated(client, change, why):
     store = JobStore(client, new_job())
     assert CoordinatorState.from_dict(STATE).encode()  # the good one round-trips
-    client.put(state_key(store.keys), json.dumps({**STATE, **change}).encode())
+    client.put(store.keys.coordinator, json.dumps({**STATE, **change}).encode())
     with pytest.raises(SchemaError) as info:
-        read_state(store)
-    assert why in str(info.value) and state_key(store.keys) in str(info.value)
+        store.coordinator_state()
+    assert why in str(info.value) and store.keys.coordinator in str(info.value)

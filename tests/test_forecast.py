@@ -24,7 +24,7 @@ from predictor.traces import AvailabilityTrace
 
 import conftest
 
-SHARED = conftest.TRACES
+TRACES = conftest.TRACES
 QUICK_DEFAULT = {"default": {"members": ("last-value", "rolling-median")}}  # no Prophet fits
 GOOD_FORECAST = {"interval_seconds": 60, "expected": [1.0], "quantiles": {"0.1": [0.5], "0.5": [1.0], "0.9": [1.5]},
                  "preemptions": [0.1], "arrivals": [0.1]}
@@ -267,10 +267,9 @@ def test_cli_errors_exit_non_zero(tmp_path: Path, capsys, text: str, arguments: 
     assert message in err and "Traceback" not in err
 
 
-# ---- acceptance on the shared real traces ----------------------------------------
+# ---- acceptance on the real traces (traces/) -------------------------------------
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared traces not available")
 @pytest.mark.parametrize(
     "relative, interval, hours",
     [
@@ -281,7 +280,7 @@ def test_cli_errors_exit_non_zero(tmp_path: Path, capsys, text: str, arguments: 
     ],
 )
 def test_default_never_worse_than_last_value_and_calibrated(relative: str, interval: int, hours: float | None) -> None:
-    trace = AvailabilityTrace.load(SHARED / relative)
+    trace = AvailabilityTrace.load(TRACES / relative)
     if hours:
         trace = trace.cut(0, hours)
     results = backtest(trace.resample(interval), ("default", "last-value"), horizon=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from reconfig.layout import (
     ModelShape,
     Parallelism,
     Slot,
+    balanced_partition,
+    buildable_partitions,
     layer_unit,
     partition_layers,
 )
@@ -148,6 +151,27 @@ def test_partition_layers() -> None:
         partition_layers(48, 32)
 
 
+def test_buildable_partitions_are_every_partition_layers_split() -> None:
+    for layers in range(1, 13):
+        for pp in range(1, 8):
+            splits = set()
+            for first in range(1, layers + 1):
+                for last in range(1, layers + 1):
+                    try:
+                        splits.add(partition_layers(layers, pp, first, last))
+                    except ValueError:
+                        pass
+            assert sorted(buildable_partitions(layers, pp)) == sorted(splits), (layers, pp)
+
+
+def test_balanced_partition_is_buildable_and_balanced() -> None:
+    assert balanced_partition(48, 7) == (6, 7, 7, 7, 7, 7, 7)
+    assert balanced_partition(48, 10) == (4,) + (5,) * 8 + (4,)
+    assert balanced_partition(48, 8) == (6,) * 8
+    with pytest.raises(ValueError, match="3 layers cannot be split over 4 pipeline stages"):
+        balanced_partition(3, 4)
+
+
 def test_layout_slots_and_lookups() -> None:
     layout = Layout(Parallelism.even(4, 2, 2, 2), (7, 6, 5, 4, 3, 2, 1, 0))
     assert layout.slot_of(4) == Slot(tp=1, pp=0, dp=1)  # rank 3 = 1 + 2*(1 + 2*0)
@@ -210,5 +234,17 @@ def test_model_shape_validation() -> None:
     shape = ModelShape.from_dict(good)
     with pytest.raises(ValueError, match="layout.stage_layers: sums to 6, the model has 4 layers"):
         shape.check(Parallelism(1, 2, 1, (3, 3)))
-    with pytest.raises(ValueError, match="layout.tp: 8 does not divide model.num_attention_heads 4"):
-        shape.check(Parallelism(8, 1, 1, (4,)))
+    with pytest.raises(ValueError, match="model.num_attention_heads 4 is not divisible by layout.tp 3; "
+                                         "model.ffn_hidden_size 256 is not divisible by layout.tp 3"):
+        shape.check(Parallelism(3, 1, 1, (4,)))
+    with pytest.raises(ValueError, match="global_batch_size 6 is not divisible by micro_batch_size 2 x layout.dp 2"):
+        shape.check(Parallelism(1, 1, 2, (4,)), micro_batch_size=2, global_batch_size=6)
+    shape.check(Parallelism(2, 2, 2, (2, 2)), micro_batch_size=2, global_batch_size=8)
+
+
+def test_model_shape_from_arguments() -> None:
+    args = argparse.Namespace(model="bert", num_layers=24, hidden_size=1024, num_attention_heads=16,
+                              ffn_hidden_size=4096, max_position_embeddings=512, bf16=True, fp16=False)
+    assert ModelShape.from_args(args, 30592) == ModelShape("bert", 24, 1024, 16, 4096, 30592, 512,
+                                                           param_bytes_per_param=2, optimizer_bytes_per_param=12)
+    assert ModelShape.from_args(argparse.Namespace(**{**vars(args), "bf16": False}), 30592).state_bytes_per_param == 12

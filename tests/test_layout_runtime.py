@@ -14,12 +14,13 @@ FAILED_THEN_BUILT = """
 import sys
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron_parcae import training
+from megatron_parcae.training import runtime
+from megatron_parcae.training.device import prepare_device
 from megatron_parcae.training.arguments import parse_args
 from megatron_parcae.training.data.datasets import build_tokenizer
 from megatron_parcae.training.models import padded_vocab_size
 
-training.prepare_device()
+prepare_device()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 args = parse_args(sys.argv[1:], prog="test", model="gpt", world_size=1)
 vocab = padded_vocab_size(build_tokenizer(args).vocab_size, args)
@@ -27,15 +28,15 @@ vocab = padded_vocab_size(build_tokenizer(args).vocab_size, args)
 def peer_lost(*args, **kwargs):
     raise dist.DistBackendError("Connection closed by peer")
 
-build_model_chunk, training.build_model_chunk = training.build_model_chunk, peer_lost
+build_model_chunk, runtime.build_model_chunk = runtime.build_model_chunk, peer_lost
 try:
-    training.LayoutRuntime(args, vocab)  # fails after megatron-core's groups are made
+    runtime.LayoutRuntime(args, vocab)  # fails after megatron-core's groups are made
     sys.exit("the build did not fail")
 except dist.DistBackendError:
     pass
 assert not ps.model_parallel_is_initialized() and ps._DATA_PARALLEL_GROUP is None
-training.build_model_chunk = build_model_chunk
-training.LayoutRuntime(args, vocab).destroy()
+runtime.build_model_chunk = build_model_chunk
+runtime.LayoutRuntime(args, vocab).destroy()
 print("built", flush=True)
 """
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import signal
 
-from conftest import ITERS, LIVE_LOSS
-from launch import assert_close
+from conftest import ITERS, worker_events
+from launch import assert_close, trained_losses
 from test_etcd import wait_for
-from reconfig.report import CHANGE_REPORT
+from megatron_parcae.events import Iteration, LayoutChange
 
 def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted):
     store, coordinator, worker, logs = live_job
@@ -42,13 +42,12 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
 
     # Each plan was applied once: its layout change is logged once, by the new rank 0
     # (the newest may come too late to apply before training ends).
-    text = "".join((logs / f"worker-{w}.log").read_text() for w in workers)
-    applied = [int(m["generation"]) for m in CHANGE_REPORT.finditer(text)]
+    events = worker_events(logs)
+    applied = [e.generation for e in events if isinstance(e, LayoutChange)]
     assert sorted(applied) == sorted(set(applied)), applied
     assert generation_at_kill + 1 in applied and max(applied) <= max(plans)
 
     # Every iteration once, and the same model as without any of this.
-    trained = [int(i) for i, _ in LIVE_LOSS.findall(text)]
+    trained = [e.iteration for e in events if isinstance(e, Iteration)]
     assert sorted(trained) == list(range(1, ITERS + 1))
-    live = {int(i): float(v) for i, v in LIVE_LOSS.findall(text)}
-    assert_close(live, uninterrupted)
+    assert_close(trained_losses(events), uninterrupted)

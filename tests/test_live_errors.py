@@ -273,8 +273,8 @@ def test_replay_stops_everything_when_a_worker_crashes_at_start(tmp_path):
     assert log.parent == workdir / "parcae"
     tail = f.stderr[m.end():]
     assert "Error while initializing BPE" in tail and tail.strip().splitlines()[-1] in log.read_text(), tail
-    # The crash is when the worker wrote its last line (the replay's reader copies each
-    # line to the log as it comes); the replay must have exited within 10 s of it.
+    # The crash is when the worker wrote its last line (its output goes straight to the
+    # log); the replay must have exited within 10 s of it.
     since_crash = f.ended_at - log.stat().st_mtime
     assert since_crash < FAILURE_BUDGET_S, f"the replay exited {since_crash:.1f} s after the worker crashed"
 

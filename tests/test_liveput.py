@@ -23,9 +23,9 @@ from megatron_parcae.liveput.scenarios import (
     victims_distribution,
     wipe_probability,
 )
-from megatron_parcae.liveput.throughput import PipelineModel, ProfileError, ProfileTable, balanced_partition
+from megatron_parcae.liveput.throughput import PipelineModel, ProfileError, ProfileTable
 from predictor.forecast import AvailabilityForecast
-from reconfig.layout import Layout, ModelShape, Parallelism
+from reconfig.layout import Layout, ModelShape, Parallelism, balanced_partition
 from reconfig.plan import MigrationRequest, plan_migration
 
 import conftest
@@ -60,12 +60,6 @@ def test_profile_table_reads_parcae_table():
     assert table.samples_per_second(best) == pytest.approx(43.468)
     assert table.best(5) is None  # GPT-1.5B needs at least 6 stages in Parcae's table
     assert all(sum(p.stage_layers) == 48 for p in table.layouts())
-
-
-def test_balanced_partition_is_buildable_and_balanced():
-    assert balanced_partition(48, 7) == (6, 7, 7, 7, 7, 7, 7)
-    assert balanced_partition(48, 10) == (4,) + (5,) * 8 + (4,)
-    assert balanced_partition(48, 8) == (6,) * 8
 
 
 @pytest.mark.parametrize("text, message", [

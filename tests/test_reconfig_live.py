@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from launch import SMALL_GPT, assert_close, assert_same_state, layout_flags, losses, torchrun
+from megatron_parcae import events
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 from reconfig.schedule import LayoutChange, parse_layout_schedule
-from reconfig.report import CHANGE_REPORT
 
 ITERS = 12
 
@@ -38,9 +38,9 @@ def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, 
     run = torchrun("pretrain_gpt.py", nproc, SMALL_GPT + layout_flags(1, pp) + extra + [
         "--train-iters", str(iters), "--parcae", "--parcae-layout-schedule", schedule], timeout=300)
     found = losses(run)
-    changes = [(int(m["iteration"]), m["kind"], (int(m["tp"]), int(m["pp"]), int(m["dp"])), int(m["bytes"]),
-                int(m["groups"]), int(m["mib"])) for m in CHANGE_REPORT.finditer(run.stdout)]
-    saves = [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", run.stdout)]
+    changes = [(c.iteration, c.kind, (c.tp, c.pp, c.dp), c.bytes_planned, c.process_groups, c.resident_mib)
+               for c in run.of(events.LayoutChange)]
+    saves = [s.iteration for s in run.of(events.Save)]
     return found, changes, saves
 
 
@@ -103,7 +103,7 @@ def test_schedule_parses():
     ("3:1,2,1:leave=7", 4, "worker(s) [7] cannot leave"),
     ("3:1,2,2:join=4", 4, "none is left"),
     ("3:1,2,3:join=1", 5, "needs 6 workers, only 5 are available"),
-    ("3:3,1,1", 4, "does not divide"),
+    ("3:3,1,1", 4, "is not divisible by layout.tp 3"),
 ], ids=["syntax", "order", "leave-stranger", "join-all", "too-few", "tp-divides"])
 def test_bad_schedules_fail_before_training(tiny_data, schedule, world, message):
     argv = ["--config", "configs/gpt-tiny.yaml", "--pipeline-model-parallel-size", "2", "--parcae",
@@ -128,6 +128,6 @@ def test_bert_changes_train_the_same_model(tiny_data):
     run = torchrun("pretrain_bert.py", 6, small + layout_flags(1, 2) + [
         "--use-distributed-optimizer", "--parcae", "--parcae-layout-schedule", "2:1,2,1:leave=1,3;4:1,4,1:join=2;6:2,2,1"],
         timeout=300)
-    kinds = [(int(m["iteration"]), m["kind"]) for m in CHANGE_REPORT.finditer(run.stdout)]
+    kinds = [(c.iteration, c.kind) for c in run.of(events.LayoutChange)]
     assert kinds == [(2, "inter-stage"), (4, "pipeline"), (6, "tensor")], kinds
     assert_close(losses(run), losses(torchrun("pretrain_bert.py", 1, small)))

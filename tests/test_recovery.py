@@ -8,11 +8,11 @@ import os
 import signal
 import time
 
-from launch import assert_close
+from launch import assert_close, trained_losses
 from test_etcd import wait_for
-from conftest import ITERS, LIVE_LOSS, REPO
+from conftest import ITERS, REPO, worker_events
 from megatron_parcae.control.agent import FENCED_EXIT
-from reconfig.report import CHANGE_REPORT
+from megatron_parcae.events import Iteration, LayoutChange
 
 LEASE_S = 5.0  # the workers' (test_live.live_job)
 
@@ -47,9 +47,10 @@ def _check_training(live_job, workers: dict, survivors: list[int], uninterrupted
         assert workers[w].wait(timeout=240) == 0, (logs / f"worker-{w}.log").read_text()[-3000:]
     text = "".join((logs / f"worker-{w}.log").read_text() for w in workers)
     assert store.done() is not None and store.done().iteration == ITERS
-    trained = [int(i) for i, _ in LIVE_LOSS.findall(text)]
+    events = worker_events(logs)
+    trained = [e.iteration for e in events if isinstance(e, Iteration)]
     assert sorted(trained) == list(range(1, ITERS + 1))
-    assert_close({int(i): float(v) for i, v in LIVE_LOSS.findall(text)}, uninterrupted)
+    assert_close(trained_losses(events), uninterrupted)
     return text
 
 
@@ -78,8 +79,8 @@ def test_stalled_then_killed_workers_are_left_behind_in_place(live_job, uninterr
     text = _check_training(live_job, workers, [w for w in workers if w not in (stalled, killed)], uninterrupted)
     assert f"generation {generation} broke" in text and "keeping its state" in text
     # the next change moved the survivors' state: nothing was lost, nothing restarted
-    after = [m for m in CHANGE_REPORT.finditer(text) if int(m["generation"]) > generation]
-    assert after and after[0]["kind"] != "restart" and not int(after[0]["lost_steps"] or 0)
+    after = [e for e in worker_events(logs) if isinstance(e, LayoutChange) and e.generation > generation]
+    assert after and after[0].kind != "restart" and not after[0].lost_steps
     coordinator_log = (logs / "coordinator-a.log").read_text()
     assert f"lost workers [{stalled}]" in coordinator_log and f"lost workers [{killed}]" in coordinator_log
     assert "WORLD broke under workers" in coordinator_log

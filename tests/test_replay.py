@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -13,8 +12,8 @@ import pytest
 
 from conftest import REPO, TRACES
 from launch import SMALL_GPT, assert_close, losses, torchrun
+from megatron_parcae.events import Iteration, read_events
 
-_LOGGED = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) ")
 # Small steps keep the roundoff of changing tensor-parallel reductions from growing over
 # a hundred iterations (the invariant is about the computation, not about chaos).
 TRAIN = ["scripts/pretrain_gpt.py", *SMALL_GPT, "--train-iters", "2000", "--lr", "3e-4", "--min-lr", "3e-5"]
@@ -51,9 +50,9 @@ def test_replay_of_a_real_trace_trains_the_uninterrupted_model(small_profile, tm
     assert summary["lost_steps"] == 0
 
     # Every iteration was trained once, in order, on the next global batch: whoever
-    # was rank 0 logged it, and no worker logged one twice.
-    logged = [(int(i), int(c)) for log in (tmp_path / "parcae").glob("worker-*.log")
-              for i, c in _LOGGED.findall(log.read_text())]
+    # was rank 0 reported it, and no worker reported one twice.
+    logged = [(e.iteration, e.consumed_samples) for path in (tmp_path / "parcae").glob("worker-*.events.jsonl")
+              for e in read_events(path) if isinstance(e, Iteration)]
     iterations = sorted(i for i, _ in logged)
     assert iterations == list(range(1, len(iterations) + 1)), "an iteration was skipped or repeated"
     assert all(c == i * GLOBAL_BATCH for i, c in logged)

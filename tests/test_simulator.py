@@ -3,25 +3,28 @@ published figures, policy sanity, CLI output and errors, cluster sizing."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
 import pytest
+import yaml
 
 from megatron_parcae.cli import main
-from megatron_parcae.liveput.cost import CostConstants, MigrationCostModel
-from megatron_parcae.liveput.throughput import ProfileTable
+from megatron_parcae.control.coordinator import CoordinatorConfig
+from megatron_parcae.liveput.cost import CostConstants
+from megatron_parcae.liveput.factory import build_liveput
+from megatron_parcae.tools import simulate
 from megatron_parcae.tools.simulate import Replay, Simulation
 from megatron_parcae.tools.plan import cycled
 from predictor.traces import AvailabilityTrace
 
 import conftest
 
-SHARED = str(conftest.SHARED)
-P3 = f"{SHARED}/traces/aws-p3/p3-trace.csv"
-GPT = f"{SHARED}/anchors/parcae/gpt-1.5b.csv"
-BERT = f"{SHARED}/anchors/parcae/bert.csv"
-# Parcae's artifact on aws-p3, GPT-1.5B, global batch 128 (shared/anchors/README.md)
+P3 = str(conftest.TRACES / "aws-p3" / "p3-trace.csv")
+GPT = str(conftest.ANCHORS / "gpt-1.5b.csv")
+BERT = str(conftest.ANCHORS / "bert.csv")
+# Parcae's artifact on aws-p3, GPT-1.5B, global batch 128 (benchmarks/anchors/parcae/README.md)
 PARCAE_IDEAL = {"hh": 143547.3, "hl": 149501.6, "lh": 108432.9, "ll": 103787.5}
 PARCAE_THROUGHPUT = {"hh": 107545.2, "hl": 124158.5, "lh": 73255.3, "ll": 98820.4}
 SEGMENTS = {"hh": (5.5, 6.5), "hl": (1.5, 2.5), "lh": (8.0, 9.0), "ll": (10.0, 11.0)}
@@ -29,9 +32,9 @@ SEGMENTS = {"hh": (5.5, 6.5), "hl": (1.5, 2.5), "lh": (8.0, 9.0), "ll": (10.0, 1
 
 def simulation(segment: str, lookahead: int = 8) -> Simulation:
     constants = CostConstants.load()
-    shape = constants.model("gpt-1.5b")
     replay = Replay.load(P3, constants.interval_seconds, *SEGMENTS[segment])
-    return Simulation(replay, ProfileTable.load(GPT, shape), MigrationCostModel(constants, shape), lookahead)
+    return Simulation(replay, build_liveput(GPT, constants, model="gpt-1.5b", lookahead=lookahead,
+                                            distributed_optimizer=False))
 
 
 @pytest.mark.parametrize("segment", sorted(SEGMENTS))
@@ -125,3 +128,21 @@ def test_plan_says_when_nothing_finishes(tmp_path, capsys):
 def test_plan_rejects_bad_numbers(capsys):
     assert main(["plan", "--profile", BERT, "--samples", "-5", "--deadline", "1", "--trace", P3]) == 2
     assert "--samples must be a positive number" in capsys.readouterr().err
+
+
+def test_simulator_builds_the_coordinators_optimizer(tmp_path):
+    """Both go through liveput/factory.py: the same layouts, costs and planner settings."""
+    profile = tmp_path / "table.csv"
+    profile.write_text("# model=gpt-1.5b global_batch_size=128\n"
+                       "data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,8,3000,40\n2,8,3100,80\n")
+    config = tmp_path / "coordinator.yaml"
+    config.write_text(yaml.safe_dump({"profile": str(profile), "lookahead": 3, "distributed-optimizer": True}))
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    args = parser.parse_args(["--trace", write_flat_trace(tmp_path / "trace.csv", 16, 10), "--profile", str(profile),
+                              "--lookahead", "3", "--distributed-optimizer"])
+    live, simulated = CoordinatorConfig.load(config).optimizer(), simulate.build(args)[1].optimizer()
+    for optimizer in (live, simulated):
+        assert optimizer.horizon == 3 and optimizer.distributed_optimizer
+    assert live.throughput.layouts() == simulated.throughput.layouts()
+    assert live.costs.constants == simulated.costs.constants and live.costs.shape == simulated.costs.shape

@@ -16,7 +16,7 @@ from predictor.traces import AvailabilityTrace, TraceFormatError
 
 import conftest
 
-SHARED = conftest.TRACES
+TRACES = conftest.TRACES
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -31,10 +31,9 @@ def assert_consistent(trace: AvailabilityTrace) -> None:
     assert np.array_equal(np.diff(trace.counts), trace.arrivals[1:] - trace.preemptions[1:])
 
 
-# ---- the shared real traces -------------------------------------------------------
+# ---- the real traces (traces/) ----------------------------------------------------
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared traces not available")
 @pytest.mark.parametrize(
     "relative, hours, peak",
     [
@@ -45,7 +44,7 @@ def assert_consistent(trace: AvailabilityTrace) -> None:
     ],
 )
 def test_shared_traces_load(relative: str, hours: float, peak: int) -> None:
-    trace = AvailabilityTrace.load(SHARED / relative)
+    trace = AvailabilityTrace.load(TRACES / relative)
     assert trace.duration_seconds / 3600 == pytest.approx(hours, abs=0.05)
     assert trace.peak == peak
     assert_consistent(trace)
@@ -54,9 +53,8 @@ def test_shared_traces_load(relative: str, hours: float, peak: int) -> None:
     assert minute.preemptions.sum() == trace.preemptions[1:].sum()  # resampling keeps every event
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared traces not available")
 def test_p3_event_counts_match_the_file() -> None:
-    trace = AvailabilityTrace.load(SHARED / "aws-p3/p3-trace.csv")
+    trace = AvailabilityTrace.load(TRACES / "aws-p3/p3-trace.csv")
     assert trace.preemptions.sum() == 167 and trace.arrivals.sum() == 177  # 344 rows
     assert trace.counts[-1] == 10
 

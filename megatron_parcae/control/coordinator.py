@@ -11,9 +11,9 @@ Rules it keeps:
   second coordinator waits (doing nothing) until the first resigns or its lease expires.
 - All of its state is in etcd: the generation and layout are the newest plan; what the
   forecaster needs (availability history) and who was admitted to the layout are the
-  `CoordinatorState` record under `/parcae/<job>/coordinator`. A restarted coordinator
-  continues from them; a generation is published only in a transaction that sees the
-  previous one, so none is published twice.
+  `CoordinatorState` record (etcd/keys.py). A restarted coordinator continues from
+  them; a generation is published only in a transaction that sees the previous one,
+  so none is published twice.
 - A change the membership forces (a notice, a lost worker) is published at once. A
   change the optimizer merely prefers (growth, a better shape) waits until every worker
   of the current layout has acknowledged it, so plans are applied one at a time.
@@ -50,40 +50,24 @@ from typing import Any
 
 import yaml
 
+from megatron_parcae.events import EventWriter, PlanPublished
 from megatron_parcae.control.etcd import (
     EtcdClient,
     EtcdError,
-    JobKeys,
     JobStore,
     Leadership,
     NotLeader,
     PlanEnvelope,
     SchemaError,
 )
-from megatron_parcae.control.etcd.client import Put
 from megatron_parcae.control.etcd.options import add_etcd_arguments, connect
-from megatron_parcae.control.etcd.keys import (
-    MAX_GENERATION,
-    MAX_TIMESTAMP,
-    MAX_WORKER_ID,
-    Field,
-    MemberRecord,
-    Record,
-    validate,
-)
-from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, MigrationCostModel
+from megatron_parcae.control.etcd.keys import DECISIONS_KEPT, HISTORY_KEPT, CoordinatorState, MemberRecord
+from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
-from megatron_parcae.liveput.throughput import load_profile
 from predictor.forecast import AvailabilityForecast, Forecaster, make_forecaster
 from reconfig.layout import Layout
-from reconfig.plan import MIGRATION_KINDS
 
 log = logging.getLogger("parcae.coordinator")
-
-STATE_KEY = "coordinator"  # under the job prefix
-HISTORY_KEPT = 10_080  # intervals of availability history kept (a week of minutes)
-DECISIONS_KEPT = 16  # published decisions kept for `parcae status`, as many as the plans kept
-DECISION_KINDS = ("start", "restart", *MIGRATION_KINDS)  # "restart": resumed from a checkpoint
 
 
 class ConfigError(ValueError):
@@ -156,16 +140,15 @@ class CoordinatorConfig:
         return config
 
     def optimizer(self) -> LiveputOptimizer:
-        """The liveput optimizer of this job, built as `parcae simulate` builds it."""
+        """The liveput optimizer of this job, built as `parcae simulate` builds it (liveput/factory.py)."""
         constants = CostConstants.load(self.cost_constants)
         constants = dataclasses.replace(
             constants,
             interval_seconds=self.interval_seconds or constants.interval_seconds,
             grace_period_seconds=constants.grace_period_seconds if self.grace_seconds is None else self.grace_seconds,
         )
-        throughput = load_profile(self.profile, constants.models, self.model, self.max_workers)
-        return LiveputOptimizer(throughput, MigrationCostModel(constants, throughput.model_shape), self.lookahead,
-                                distributed_optimizer=self.distributed_optimizer)
+        return build_liveput(self.profile, constants, model=self.model, max_workers=self.max_workers,
+                             lookahead=self.lookahead, distributed_optimizer=self.distributed_optimizer).optimizer()
 
 
 def _existing_file(where: str, key: str, value: Any, base: Path) -> Path:
@@ -184,92 +167,6 @@ def _seconds(where: str, key: str, value: Any, minimum: float | None) -> float:
         kind = f"number of seconds >= {minimum:g}" if minimum is not None else "positive number of seconds"
         raise ConfigError(f"{where}: {key}: expected a {kind}, got {value!r}")
     return float(value)
-
-
-# -- what the coordinator keeps in etcd ----------------------------------------------
-
-_DECISION_SCHEMA = {
-    "generation": Field(int, 1, MAX_GENERATION),
-    "at": Field(float, 0, MAX_TIMESTAMP),
-    "reason": Field(str, 1, 500),
-    "kind": Field(str, 1, 32),
-    "seconds": Field(float, 0, 1e9),
-}
-
-
-@dataclass(frozen=True)
-class CoordinatorState(Record):
-    """What a restarted coordinator needs beyond the newest plan.
-
-    `history` rows are [available, preempted, arrived] per interval, oldest first, the
-    last ending at `boundary_at`; `previous` were available at that boundary and `seen`
-    at some time since. `admitted` maps a worker of the layout to the process holding
-    its slot, [pid, registered_at] from its member record. `decisions` are the newest
-    published ones, for `parcae status`; `forecast` the last one made.
-    """
-
-    interval_seconds: float
-    boundary_at: float
-    history: list
-    previous: list
-    seen: list
-    admitted: dict
-    decisions: list
-    forecast: dict | None
-
-    SCHEMA = {
-        "interval_seconds": Field(float, 1e-3, 1e9),
-        "boundary_at": Field(float, 0, MAX_TIMESTAMP),
-        "history": Field(list),
-        "previous": Field(list),
-        "seen": Field(list),
-        "admitted": Field(dict),
-        "decisions": Field(list),
-        "forecast": Field(dict, nullable=True),
-    }
-
-    def check(self, where: str) -> None:
-        if len(self.history) > HISTORY_KEPT:
-            raise SchemaError(f"{where}.history", f"{len(self.history)} rows, more than {HISTORY_KEPT}")
-        for i, row in enumerate(self.history):
-            if not (isinstance(row, list) and len(row) == 3 and all(_is_count(v) for v in row)):
-                raise SchemaError(f"{where}.history[{i}]", f"expected [available, preempted, arrived], got {row!r}")
-        for name in ("previous", "seen"):
-            for value in getattr(self, name):
-                if not _is_count(value) or value > MAX_WORKER_ID:
-                    raise SchemaError(f"{where}.{name}", f"{value!r} is not a worker id")
-        for worker, process in self.admitted.items():
-            ok = worker.isascii() and worker.isdigit() and int(worker) <= MAX_WORKER_ID and isinstance(process, list) \
-                and len(process) == 2 and _is_count(process[0]) and isinstance(process[1], (int, float)) \
-                and not isinstance(process[1], bool) and math.isfinite(process[1])
-            if not ok:
-                raise SchemaError(f"{where}.admitted",
-                                  f"expected worker id -> [pid, registered_at], got {worker!r}: {process!r}")
-        if len(self.decisions) > DECISIONS_KEPT:
-            raise SchemaError(f"{where}.decisions", f"{len(self.decisions)} entries, more than {DECISIONS_KEPT}")
-        for i, decision in enumerate(self.decisions):
-            checked = validate(decision, _DECISION_SCHEMA, f"{where}.decisions[{i}]")
-            if checked["kind"] not in DECISION_KINDS:
-                raise SchemaError(f"{where}.decisions[{i}].kind", f"expected one of {', '.join(DECISION_KINDS)}")
-        if self.forecast is not None:
-            try:
-                AvailabilityForecast.from_dict(self.forecast)
-            except (ValueError, TypeError) as exc:
-                raise SchemaError(f"{where}.forecast", str(exc)) from None
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53
-
-
-def state_key(keys: JobKeys) -> str:
-    return keys.prefix + STATE_KEY
-
-
-def read_state(store: JobStore) -> CoordinatorState | None:
-    """The coordinator's record of a job, validated; None if no coordinator wrote one."""
-    kv = store.client.get(state_key(store.keys))
-    return None if kv is None else CoordinatorState.decode(kv.value, kv.key)
 
 
 # -- the state machine ---------------------------------------------------------------
@@ -299,14 +196,15 @@ class Coordinator:
     one `LiveputOptimizer` kept for the coordinator's life (it caches plans and costs).
     """
 
-    def __init__(self, store: JobStore, config: CoordinatorConfig, optimizer: LiveputOptimizer, candidate: str) -> None:
+    def __init__(self, store: JobStore, config: CoordinatorConfig, optimizer: LiveputOptimizer, candidate: str,
+                 events: EventWriter | None = None) -> None:
         self._store = store
+        self._events = events or EventWriter(None)  # each published plan, for programs (--events)
         self._client: EtcdClient = store.client
         self._config = config
         self._optimizer = optimizer
         self._interval = optimizer.interval
         self._leadership = Leadership(store.client, store.keys.job, candidate, config.lease_seconds)
-        self._state_key = state_key(store.keys)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._resumed = False
@@ -391,7 +289,7 @@ class Coordinator:
     def _resume(self) -> None:
         """Load the availability history and admitted workers; rebuild the forecaster."""
         try:
-            state = read_state(self._store)
+            state = self._store.coordinator_state()
         except SchemaError as exc:
             log.error("%s; starting a new availability history", exc)
             state = None
@@ -422,7 +320,7 @@ class Coordinator:
             {str(w): p for w, p in sorted(self._admitted.items())}, list(self._decisions),
             None if self._forecast is None else self._forecast.to_dict(),
         )
-        if not self._client.txn(self._leadership.guard(), [Put(self._state_key, state.encode())]).succeeded:
+        if not self._store.save_coordinator_state(state, self._leadership.guard()):
             raise NotLeader(f"{self._leadership.candidate} lost the leader lease while saving its state")
 
     # -- forecasting ---------------------------------------------------------------
@@ -549,6 +447,9 @@ class Coordinator:
         self._admitted = {w: _process(members[w]) for w in layout.workers}
         self._decisions.append({"generation": generation, "at": envelope.created_at, "reason": reason, "kind": kind,
                                 "seconds": round(float(decision.cost.seconds), 6)})
+        self._events.write(PlanPublished(generation, kind, p.tp, p.pp, p.dp, tuple(layout.slots),
+                                         float(decision.cost.seconds), reason, tuple(sorted(view.lost)),
+                                         tuple(sorted(view.broken)), time=envelope.created_at))
         self._save()
         for worker in sorted((view.lost & frozenset(members)) - view.restarted):
             if self._store.fence_member(worker):
@@ -589,6 +490,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
                              "lease-seconds, max-workers, min-workers, distributed-optimizer (see CoordinatorConfig)")
+    parser.add_argument("--events", default=None, metavar="FILE",
+                        help="append each published plan to FILE as a JSON line (megatron_parcae/events.py)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -606,7 +509,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with client:
         candidate = f"{socket.gethostname()}:{os.getpid()}"
-        coordinator = Coordinator(JobStore(client, args.job), config, optimizer, candidate)
+        coordinator = Coordinator(JobStore(client, args.job), config, optimizer, candidate, EventWriter(args.events))
         # serve() runs on a thread: a handler runs on the main thread between two bytecodes,
         # and stop() there would deadlock if it interrupted serve() holding the same lock.
         with ThreadPoolExecutor(1, thread_name_prefix="parcae-coordinator") as pool:

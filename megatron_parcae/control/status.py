@@ -13,7 +13,6 @@ import sys
 import time
 from typing import Any
 
-from megatron_parcae.control.coordinator import read_state
 from megatron_parcae.control.etcd.options import add_etcd_arguments, connect
 from megatron_parcae.control.etcd import EtcdError, JobStore, SchemaError
 from reconfig.layout import Layout
@@ -39,7 +38,7 @@ def collect(store: JobStore) -> dict[str, Any]:
             "notice_deadline_in": None if worker not in notices else round(notices[worker].deadline - now, 1),
         })
     leader = store.leader()
-    state = read_state(store)
+    state = store.coordinator_state()
     return {
         "job": store.keys.job,
         "generation": generation,

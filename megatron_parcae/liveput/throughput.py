@@ -5,7 +5,7 @@ throughput in samples per second, and whether it can run (memory, divisibility).
 sources answer them behind one interface, `ThroughputModel`:
 
 `ProfileTable` reads measured throughputs, a CSV in the format of Parcae's published
-tables (shared/anchors/parcae/*.csv)::
+tables (benchmarks/anchors/parcae/*.csv)::
 
     # any comment; key=value words in comments are metadata, e.g.
     # model=gpt-1.5b micro_batch_size=1 global_batch_size=128
@@ -59,7 +59,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from reconfig.layout import ModelShape, Parallelism
+from reconfig.layout import ModelShape, Parallelism, balanced_partition, buildable_partitions
 
 PROFILE_FORMAT = "megatron-parcae-layer-profile"
 PROFILE_VERSION = 1
@@ -68,27 +68,6 @@ _CSV_COLUMNS = ("data_parallel", "pipeline_stages", "iteration_ms", "samples_per
 
 class ProfileError(ValueError):
     """A profile that cannot be used; the message says which file, where and why."""
-
-
-def buildable_partitions(num_layers: int, pp: int) -> list[tuple[int, ...]]:
-    """Every split of `num_layers` over `pp` stages megatron-core can build: any first and
-    last stage, the stages between equal."""
-    if pp == 1:
-        return [(num_layers,)]
-    options = []
-    for middle in range(1, (num_layers - 2) // (pp - 2) + 1) if pp > 2 else [0]:
-        ends = num_layers - (pp - 2) * middle
-        options += [(first,) + (middle,) * (pp - 2) + (ends - first,) for first in range(1, ends)]
-    return options
-
-
-def balanced_partition(num_layers: int, pp: int) -> tuple[int, ...]:
-    """The buildable split whose largest stage is smallest (ties: the most even, then the
-    lighter first stage, which also holds the embedding)."""
-    options = buildable_partitions(num_layers, pp)
-    if not options:
-        raise ProfileError(f"{num_layers} layers cannot be split over {pp} pipeline stages")
-    return min(options, key=lambda s: (max(s), max(s) - min(s), s[0]))
 
 
 class ThroughputModel(abc.ABC):
@@ -149,9 +128,12 @@ class ProfileTable(ThroughputModel):
         self.model_shape = model_shape
         self._rows: dict[Parallelism, float] = {}
         for (tp, pp, dp), rate in rows.items():
-            if pp > model_shape.num_layers or model_shape.num_attention_heads % tp:
-                continue  # the table measured something this model shape cannot build
-            self._rows[Parallelism(tp, pp, dp, balanced_partition(model_shape.num_layers, pp))] = rate
+            try:
+                parallelism = Parallelism(tp, pp, dp, balanced_partition(model_shape.num_layers, pp))
+            except ValueError:
+                continue  # more stages than layers
+            if not model_shape.problems(parallelism):  # else a row this model shape cannot build
+                self._rows[parallelism] = rate
         if not self._rows:
             raise ProfileError(f"profile of {model}: no configuration fits a {model_shape.num_layers}-layer model")
         self._layouts = tuple(sorted(self._rows, key=lambda p: (p.world_size, p.tp, p.pp, p.dp)))
@@ -349,16 +331,16 @@ class PipelineModel(ThroughputModel):
 
     def _enumerate(self) -> tuple[Parallelism, ...]:
         shape = self.model_shape
+        partitions: dict[int, tuple[int, ...]] = {}
         found = []
         for tp in range(1, self.max_tensor_parallel + 1):
-            if shape.num_attention_heads % tp or shape.ffn_hidden_size % tp:
-                continue
             for pp in range(1, min(shape.num_layers, self._max_workers // tp) + 1):
-                stage_layers = self._partition(pp)
                 for dp in range(1, self._max_workers // (tp * pp) + 1):
-                    if self.global_batch_size % (self.micro_batch_size * dp):
+                    if pp not in partitions:
+                        partitions[pp] = self._partition(pp)
+                    p = Parallelism(tp, pp, dp, partitions[pp])
+                    if shape.problems(p, self.micro_batch_size, self.global_batch_size):
                         continue
-                    p = Parallelism(tp, pp, dp, stage_layers)
                     seconds = self._iteration_seconds(p)
                     if seconds is not None:
                         self._rates[p] = self.global_batch_size / seconds

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants, MigrationCostModel
-from megatron_parcae.liveput.throughput import ThroughputModel, load_profile
+from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants
+from megatron_parcae.liveput.factory import LiveputStack, build_liveput
 from megatron_parcae.tools.simulate import ON_DEMAND_PRICE, SPOT_PRICE, Replay, Simulation
 from predictor.traces import AvailabilityTrace
 
@@ -89,13 +89,12 @@ def outcome(sim: Simulation, samples: float, spot_price: float, on_demand_price:
 class Sizer:
     """Simulates candidate clusters over the traces (see the module docstring)."""
 
-    def __init__(self, traces: list[AvailabilityTrace], throughput: ThroughputModel, constants: CostConstants,
-                 samples: float, deadline_hours: float, lookahead: int, spot_price: float, on_demand_price: float):
-        self.traces, self.throughput, self.constants = traces, throughput, constants
-        self.costs = MigrationCostModel(constants, throughput.model_shape)
-        self.samples, self.lookahead = samples, lookahead
+    def __init__(self, traces: list[AvailabilityTrace], liveput: LiveputStack, samples: float, deadline_hours: float,
+                 spot_price: float, on_demand_price: float):
+        self.traces, self.liveput, self.constants = traces, liveput, liveput.constants
+        self.samples = samples
         self.spot_price, self.on_demand_price = spot_price, on_demand_price
-        self.intervals = max(1, math.ceil(deadline_hours * 3600 / constants.interval_seconds))
+        self.intervals = max(1, math.ceil(deadline_hours * 3600 / self.constants.interval_seconds))
         self._seen: dict[tuple[int, int], Candidate] = {}
 
     def evaluate(self, spot: int, on_demand: int) -> Candidate:
@@ -108,8 +107,8 @@ class Sizer:
                 else:
                     none = np.zeros(self.intervals, dtype=np.int64)
                     replay = Replay(self.constants.interval_seconds, none, none, none, 0, self.intervals)
-                sim = Simulation(replay, self.throughput, self.costs, self.lookahead, on_demand=on_demand,
-                                 spot_price=self.spot_price, on_demand_price=self.on_demand_price)
+                sim = Simulation(replay, self.liveput, on_demand=on_demand, spot_price=self.spot_price,
+                                 on_demand_price=self.on_demand_price)
                 outcomes.append(outcome(sim, self.samples, self.spot_price, self.on_demand_price))
             self._seen[key] = Candidate(spot, on_demand, tuple(outcomes))
         return self._seen[key]
@@ -129,7 +128,7 @@ class Sizer:
 
     def search(self) -> list[Candidate]:
         """The fewest-on-demand candidate of each spot size on the grid, cheapest first."""
-        largest = self.throughput.max_workers
+        largest = self.liveput.throughput.max_workers
         step = max(1, math.ceil(largest / SPOT_GRID_STEPS))
         found = []
         for spot in sorted({0, *range(step, largest, step), largest}):
@@ -149,6 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="availability trace of the spot instances; repeat to require every trace")
     parser.add_argument("--cost-constants", default=str(DEFAULT_CONSTANTS), help="migration cost constants JSON")
     parser.add_argument("--lookahead", type=int, default=8, help="intervals the liveput optimizer looks ahead")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="the job trains with --use-distributed-optimizer")
     parser.add_argument("--spot-price", type=float, default=SPOT_PRICE, help="$ per spot instance-hour")
     parser.add_argument("--on-demand-price", type=float, default=ON_DEMAND_PRICE, help="$ per on-demand instance-hour")
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
@@ -176,12 +177,12 @@ def run(args: argparse.Namespace) -> int:
         _check(args)
         constants = CostConstants.load(args.cost_constants)
         traces = [AvailabilityTrace.load(path) for path in args.trace]
-        throughput = load_profile(args.profile, constants.models, args.model, max_workers=max(t.peak for t in traces))
+        liveput = build_liveput(args.profile, constants, model=args.model, max_workers=max(t.peak for t in traces),
+                                lookahead=args.lookahead, distributed_optimizer=args.distributed_optimizer)
     except (ValueError, OSError) as exc:
         print(f"parcae plan: error: {exc}", file=sys.stderr)
         return 2
-    sizer = Sizer(traces, throughput, constants, args.samples, args.deadline, args.lookahead,
-                  args.spot_price, args.on_demand_price)
+    sizer = Sizer(traces, liveput, args.samples, args.deadline, args.spot_price, args.on_demand_price)
     candidates = sizer.search()
     affordable = [c for c in candidates if args.budget is None or c.dollars <= args.budget]
     best = affordable[0] if affordable else None
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"recommendation": None if best is None else _row(best),
                           "candidates": [_row(c) for c in candidates]}, indent=1))
     else:
-        print(f"{args.samples:g} samples of {throughput.model} within {args.deadline:g} h "
+        print(f"{args.samples:g} samples of {liveput.throughput.model} within {args.deadline:g} h "
               f"on {len(traces)} trace(s); cheapest way for each spot size:")
         print(f"{'spot':>6}{'on-demand':>11}{'hours':>9}{'dollars':>10}")
         for c in candidates:

@@ -25,6 +25,7 @@ from typing import Callable
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 
 DEFAULT_LINK_BYTES_PER_SECOND = 1.25e9  # 10 Gb/s, the network of Parcae's p3.2xlarge cluster
+GRADIENT_BYTES_PER_PARAM = 4  # megatron DDP reduces gradients in fp32 here
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,11 +153,7 @@ def build_profile(args: argparse.Namespace, measured: dict, options: argparse.Na
     """The profile document, with the optimizer step shared out over units by parameters."""
     from reconfig.layout import ModelShape
 
-    mixed = args.bf16 or args.fp16
-    shape = ModelShape(kind=args.model, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-                       vocab_size=measured["vocab_size"], max_position_embeddings=args.max_position_embeddings,
-                       param_bytes_per_param=2 if mixed else 4, optimizer_bytes_per_param=12 if mixed else 8)
+    shape = ModelShape.from_args(args, measured["vocab_size"])
     units = {u.name: u.params for u in shape.units()}
     total = sum(units.values())
     share = {name: measured["optimizer_ms"] * params / total for name, params in units.items()}
@@ -173,9 +170,8 @@ def build_profile(args: argparse.Namespace, measured: dict, options: argparse.Na
         "link_bytes_per_second": options.link_bytes_per_second,
         "tensor_parallel_bytes_per_second": options.tensor_parallel_bytes_per_second or options.link_bytes_per_second,
         "max_tensor_parallel": options.max_tensor_parallel,
-        # weights + fp32 gradient + Adam (+ fp32 main weights when training in 16 bits)
-        "memory_bytes_per_param": 18 if mixed else 16,
-        "gradient_bytes_per_param": 4,  # megatron DDP reduces gradients in fp32 here
+        "memory_bytes_per_param": shape.state_bytes_per_param + GRADIENT_BYTES_PER_PARAM,  # state, gradient
+        "gradient_bytes_per_param": GRADIENT_BYTES_PER_PARAM,
         "model_shape": shape.to_dict(),
         "embedding": embedding, "layers": layers, "head": head,
     }

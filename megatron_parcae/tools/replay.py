@@ -13,8 +13,9 @@ Jobs under test implement `resize(count)` and `stop()`:
 - `CheckpointRestartJob` is the reactive baseline (what users run today): a torchrun job
   with periodic checkpoints, killed and restarted from its last checkpoint on every
   change of the instance count.
-A `JobLog` follows what the workers print (iterations, consumed samples, losses,
-checkpoints, layout changes): that is all a `ReplaySummary` needs.
+The training processes write their events (iterations, consumed samples, losses,
+checkpoints, layout changes) to files, one per worker or torchrun job (--parcae-events);
+a `JobLog` follows those files, and that is all a `ReplaySummary` needs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -35,12 +35,9 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from megatron_parcae.control.agent import FENCED_EXIT
+from megatron_parcae.events import Event, EventError, EventFollower, Iteration, LayoutChange, Load, Save
 from megatron_parcae.training.arguments import ArgumentError, parse_args
-from reconfig.report import CHANGE_REPORT
 
-_ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) .*?\| lm loss: ([0-9.E+-]+) \|")
-_SAVED = re.compile(r"saved checkpoint at iteration (\d+)")
-_LOADED = re.compile(r"loaded checkpoint .* at iteration (\d+)")
 BASELINES = ("checkpoint-restart",)
 # Workers and the coordinator renew leases from background threads; on a machine running
 # more processes than it has cores those threads can stall for seconds.
@@ -70,10 +67,9 @@ def replay_steps(trace, speedup: float) -> list[ReplayStep]:
 
 @dataclass
 class JobLog:
-    """What the job's processes have printed so far (fed from several reader threads)."""
+    """What the job's processes have reported so far, read from their events files."""
 
-    # Before `started`: importing the pattern can take seconds, which are no job's time.
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.time)  # Unix time, as in the events
     iteration: int = 0
     consumed_samples: int = 0
     loss: float | None = None
@@ -84,61 +80,62 @@ class JobLog:
     trained: list[tuple[int, int]] = field(default_factory=list)  # (iteration, consumed samples), as logged
     changes: list[dict] = field(default_factory=list)  # layout changes the workers reported
     events: list[dict] = field(default_factory=list)  # what the emulator did: preempt, arrive
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _files: list[EventFollower] = field(default_factory=list, repr=False)
 
-    def seconds(self) -> float:
-        return round(time.monotonic() - self.started, 3)
+    def seconds(self, at: float | None = None) -> float:
+        """Seconds since the replay started, until now or the Unix time `at`."""
+        return round((time.time() if at is None else at) - self.started, 3)
 
-    def feed(self, line: str) -> None:
-        with self._lock:
-            if m := _ITERATION.search(line):
-                self.iteration, self.consumed_samples = int(m.group(1)), int(m.group(2))
-                self.loss = float(m.group(3))
-                self.losses[self.iteration] = self.loss
-                self.progress.append((self.seconds(), self.consumed_samples))
-                self.trained.append((self.iteration, self.consumed_samples))
-            elif m := CHANGE_REPORT.search(line):
-                lost = int(m["lost_steps"] or 0)
-                self.lost_steps += lost
-                self.changes.append({"at_seconds": self.seconds(), "iteration": int(m["iteration"]),
-                                     "generation": int(m["generation"]), "kind": m["kind"],
-                                     "layout": [int(m[k]) for k in ("tp", "pp", "dp")],
-                                     "seconds": float(m["ms"]) / 1e3, "lost_steps": lost})
-            elif m := _SAVED.search(line):
-                self.saved_iteration = int(m.group(1))
-            elif m := _LOADED.search(line):
-                self.iteration = int(m.group(1))
+    def follow(self, path: Path) -> None:
+        """Read the events a process appends to `path` from now on."""
+        self._files.append(EventFollower(path))
+
+    def poll(self) -> None:
+        """Take in the events written since the last call, in the order they happened."""
+        try:
+            new = sorted((e for f in self._files for e in f.read()), key=lambda e: e.time)
+        except EventError as exc:
+            raise ReplayError(f"a training process wrote a bad event: {exc}") from None
+        for event in new:
+            self._take(event)
+
+    def _take(self, event: Event) -> None:
+        if isinstance(event, Iteration):
+            self.iteration, self.consumed_samples = event.iteration, event.consumed_samples
+            self.loss = event.losses["lm loss"]
+            self.losses[self.iteration] = self.loss
+            self.progress.append((self.seconds(event.time), self.consumed_samples))
+            self.trained.append((self.iteration, self.consumed_samples))
+        elif isinstance(event, LayoutChange):
+            self.lost_steps += event.lost_steps
+            self.changes.append({"at_seconds": self.seconds(event.time), "iteration": event.iteration,
+                                 "generation": event.generation, "kind": event.kind,
+                                 "layout": [event.tp, event.pp, event.dp], "seconds": round(event.seconds, 4),
+                                 "lost_steps": event.lost_steps})
+        elif isinstance(event, Save):
+            self.saved_iteration = event.iteration
+        elif isinstance(event, Load):
+            self.iteration = event.iteration
 
     def event(self, what: str, count: int) -> None:
-        with self._lock:
-            self.events.append({"at_seconds": self.seconds(), "event": what, "instances": count})
+        self.events.append({"at_seconds": self.seconds(), "event": what, "instances": count})
 
     def rollback_to_checkpoint(self) -> None:
         """The job was killed: what it trained since its last checkpoint is lost."""
-        with self._lock:
-            self.lost_steps += self.iteration - self.saved_iteration
-            self.iteration = self.saved_iteration
+        self.lost_steps += self.iteration - self.saved_iteration
+        self.iteration = self.saved_iteration
 
 
 class _Process:
-    """One child process whose output goes to a log file and a JobLog."""
+    """One child process whose output goes to a log file."""
 
-    def __init__(self, cmd: list[str], log: JobLog, log_file: Path, env: dict[str, str]) -> None:
+    def __init__(self, cmd: list[str], log_file: Path, env: dict[str, str]) -> None:
         self.log_file = log_file
         self.preempted = False  # gone by the replay's doing, or fenced: not a failure
         with log_file.open("w") as out:
             out.write(" ".join(cmd) + "\n")
-        self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      start_new_session=True)
-        self._reader = threading.Thread(target=self._read, args=(log,), daemon=True)
-        self._reader.start()
-
-    def _read(self, log: JobLog) -> None:
-        with self.log_file.open("a") as out:
-            for line in self.popen.stdout:
-                out.write(line)
-                out.flush()
-                log.feed(line)
+            out.flush()
+            self.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def preempt(self, grace_seconds: float) -> None:
         """SIGTERM now, SIGKILL after the grace period (on a timer: the replay goes on)."""
@@ -158,11 +155,9 @@ class _Process:
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
         self.popen.wait()
-        self._reader.join(timeout=5)
 
     def tail(self, lines: int = 5) -> str:
         """The last lines of the log of this process, which has exited."""
-        self._reader.join(timeout=2)  # its last lines may still be in the pipe
         text = self.log_file.read_text(errors="replace").strip().splitlines()
         return "\n".join(text[-lines:])
 
@@ -217,12 +212,14 @@ class ParcaeJob:
         self.start_coordinator()
 
     def start_coordinator(self) -> None:
-        """Start `parcae coordinator` (again: it goes on from what etcd holds)."""
+        """Start `parcae coordinator` (again: it goes on from what etcd holds); it writes
+        the plans it publishes to coordinator-N.events.jsonl."""
         self._coordinators += 1
+        name = f"coordinator-{self._coordinators}"
         self._coordinator = _Process(
             [sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", self._server.endpoint,
-             "--job", self.job, "--config", str(self._config_path)], JobLog(),
-            self.workdir / f"coordinator-{self._coordinators}.log", _child_env())
+             "--job", self.job, "--config", str(self._config_path),
+             "--events", str(self.workdir / f"{name}.events.jsonl")], self.workdir / f"{name}.log", _child_env())
 
     def kill_coordinator(self) -> None:
         """SIGKILL the coordinator (it holds nothing that etcd does not)."""
@@ -261,14 +258,18 @@ class ParcaeJob:
     def _start_worker(self) -> None:
         worker, self._next_id = self._next_id, self._next_id + 1
         self.log.event(f"start worker {worker}", len(self.alive()) + 1)
+        events = self.workdir / f"worker-{worker}.events.jsonl"
         cmd = [sys.executable, self.script, *self.args, "--parcae", "--parcae-etcd", self._server.endpoint,
                "--parcae-job", self.job, "--parcae-worker-id", str(worker),
-               "--parcae-grace-seconds", str(self.grace_seconds), "--parcae-lease-seconds", str(LEASE_SECONDS)]
-        self._workers[worker] = _Process(cmd, self.log, self.workdir / f"worker-{worker}.log", _child_env())
+               "--parcae-grace-seconds", str(self.grace_seconds), "--parcae-lease-seconds", str(LEASE_SECONDS),
+               "--parcae-events", str(events)]
+        self.log.follow(events)
+        self._workers[worker] = _Process(cmd, self.workdir / f"worker-{worker}.log", _child_env())
 
     def check(self) -> bool:
         """Whether training has ended (the coordinator exits then). Fails fast when a process
         dies on its own, not preempted: the replay would mean nothing."""
+        self.log.poll()
         for worker, p in self._workers.items():
             code = p.popen.poll()
             if code == FENCED_EXIT and not p.preempted:  # it stalled, and the job went on without it
@@ -291,6 +292,7 @@ class ParcaeJob:
         for p in self._workers.values():
             p.kill()
         self._server.stop()
+        self.log.poll()
 
 
 class CheckpointRestartJob:
@@ -321,16 +323,18 @@ class CheckpointRestartJob:
         if world == 0:
             return
         resume = ["--load", str(self.checkpoint_dir)] if (self.checkpoint_dir / "latest_checkpointed_iteration.txt").exists() else []
+        events = self.workdir / f"torchrun-{self._restarts + 1}.events.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                self.script, *self.args, "--save", str(self.checkpoint_dir), "--save-interval",
-               str(self.save_interval), *resume]
+               str(self.save_interval), *resume, "--parcae-events", str(events)]
+        self.log.follow(events)
         args = parse_args(self.args, prog="replay", model=self.model, world_size=world)
         self.log.changes.append({"at_seconds": self.log.seconds(), "iteration": self.log.saved_iteration,
                                  "generation": self._restarts + 1, "kind": "restart", "layout": [args.tensor_model_parallel_size,
                                                                args.pipeline_model_parallel_size, args.data_parallel_size],
                                  "seconds": None, "lost_steps": 0})
         self._restarts += 1
-        self._proc = _Process(cmd, self.log, self.workdir / f"torchrun-{self._restarts}.log", _child_env())
+        self._proc = _Process(cmd, self.workdir / f"torchrun-{self._restarts}.log", _child_env())
 
     def _kill(self) -> None:
         """Preempt every process of the job: SIGTERM, SIGKILL after the grace period; what
@@ -344,12 +348,14 @@ class CheckpointRestartJob:
             pass
         self._proc.kill()
         self._proc = None
+        self.log.poll()
         if self.log.changes:
             self.log.changes[-1]["lost_steps"] = self.log.iteration - self.log.saved_iteration
         self.log.rollback_to_checkpoint()
 
     def check(self) -> bool:
         """Whether training has ended; fails fast when torchrun exits with an error we did not cause."""
+        self.log.poll()
         p = self._proc
         if p is not None and p.popen.poll() not in (None, 0):
             raise ReplayError(f"the training command exited with {p.popen.returncode} (log {p.log_file}):\n{p.tail()}")
@@ -359,6 +365,7 @@ class CheckpointRestartJob:
         """End of the replay: what the job has trained so far counts."""
         if self._proc is not None:
             self._proc.kill()
+        self.log.poll()
 
 
 def replay(steps: list[ReplayStep], job: Job, duration_seconds: float) -> float:

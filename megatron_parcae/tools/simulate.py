@@ -38,9 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants, MigrationCostModel
-from megatron_parcae.liveput.optimizer import LiveputOptimizer
-from megatron_parcae.liveput.throughput import ThroughputModel, load_profile
+from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants
+from megatron_parcae.liveput.factory import LiveputStack, build_liveput
 from predictor.forecast import AvailabilityForecast, make_forecaster
 from predictor.traces import AvailabilityTrace
 from reconfig.layout import Layout, Parallelism
@@ -136,15 +135,15 @@ class PolicyRun:
 
 
 class Simulation:
-    """Replays one trace segment for one model and cost model; see the module docstring."""
+    """Replays one trace segment for one liveput stack; see the module docstring."""
 
-    def __init__(self, replay: Replay, throughput: ThroughputModel, costs: MigrationCostModel, lookahead: int,
-                 seed: int = 0, on_demand: int = 0, spot_price: float = SPOT_PRICE,
-                 on_demand_price: float = ON_DEMAND_PRICE):
-        if costs.constants.interval_seconds != replay.interval_seconds:
+    def __init__(self, replay: Replay, liveput: LiveputStack, seed: int = 0, on_demand: int = 0,
+                 spot_price: float = SPOT_PRICE, on_demand_price: float = ON_DEMAND_PRICE):
+        if liveput.constants.interval_seconds != replay.interval_seconds:
             raise ValueError("the replay and the cost constants disagree on the interval length")
-        self.replay, self.throughput, self.costs = replay, throughput, costs
-        self.lookahead, self.on_demand = lookahead, on_demand
+        self.replay, self.liveput = replay, liveput
+        self.throughput, self.costs = liveput.throughput, liveput.costs
+        self.on_demand = on_demand
         self.interval = replay.interval_seconds
         self.initial, self.steps = draw_steps(replay, on_demand, seed)
         hours = self.interval / 3600
@@ -196,7 +195,7 @@ class Simulation:
 
     def _liveput(self, name: str, oracle: bool) -> PolicyRun:
         run = PolicyRun(name)
-        optimizer = LiveputOptimizer(self.throughput, self.costs, self.lookahead)
+        optimizer = self.liveput.optimizer()
         forecasts = OracleForecasts(self.replay, self.on_demand) if oracle else \
             ForecasterFeed(self.replay, self.on_demand)
         notice = self.costs.constants.grace_period_seconds > 0
@@ -206,7 +205,7 @@ class Simulation:
         for i, step in enumerate(self.steps):
             available.difference_update(step.preempted)
             available.update(step.arrived)
-            forecast = forecasts.after(i, self.lookahead - 1)
+            forecast = forecasts.after(i, self.liveput.lookahead - 1)
             leaving = frozenset(step.preempted) & layout.workers if (layout is not None and notice) else frozenset()
             started, cpu = time.perf_counter(), time.process_time()
             decision = optimizer.decide(layout, available, forecast, leaving, busy)
@@ -326,6 +325,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-constants", default=str(DEFAULT_CONSTANTS),
                         help="migration cost constants JSON (default: Parcae's, shipped with megatron-parcae)")
     parser.add_argument("--lookahead", type=int, default=8, help="intervals the liveput optimizer looks ahead")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="the job trains with --use-distributed-optimizer (as the coordinator's config says)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of which instances a preemption hits")
     parser.add_argument("--on-demand", type=int, default=0, help="always-on on-demand instances added to the trace's")
@@ -335,13 +336,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="write a timeline plot")
 
 
-def build(args: argparse.Namespace) -> tuple[Replay, ThroughputModel, MigrationCostModel]:
-    """Load what the simulate and plan commands share; raises ValueError on bad input."""
+def build(args: argparse.Namespace) -> tuple[Replay, LiveputStack]:
+    """Load the replay and the liveput stack; raises ValueError on bad input."""
     constants = CostConstants.load(args.cost_constants)
     replay = Replay.load(args.trace, constants.interval_seconds, args.start_hour, args.end_hour)
     max_workers = int(replay.counts.max()) + max(args.on_demand, 0)
-    throughput = load_profile(args.profile, constants.models, args.model, max_workers)
-    return replay, throughput, MigrationCostModel(constants, throughput.model_shape)
+    liveput = build_liveput(args.profile, constants, model=args.model, max_workers=max_workers,
+                            lookahead=args.lookahead, distributed_optimizer=args.distributed_optimizer)
+    return replay, liveput
 
 
 def _check_common(args: argparse.Namespace) -> None:
@@ -361,9 +363,8 @@ def run(args: argparse.Namespace) -> int:
         if unknown or not policies:
             raise ValueError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; "
                              f"known: {', '.join(POLICIES)}")
-        replay, throughput, costs = build(args)
-        sim = Simulation(replay, throughput, costs, args.lookahead, args.seed, args.on_demand, args.spot_price,
-                         args.on_demand_price)
+        replay, liveput = build(args)
+        sim = Simulation(replay, liveput, args.seed, args.on_demand, args.spot_price, args.on_demand_price)
     except (ValueError, OSError) as exc:
         print(f"parcae simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     throughput_samples = runs["throughput"].samples if "throughput" in runs else None
-    print(f"{replay.intervals} intervals of {replay.interval_seconds:g} s, {throughput.model}, "
+    print(f"{replay.intervals} intervals of {replay.interval_seconds:g} s, {liveput.throughput.model}, "
           f"look-ahead {args.lookahead}")
     print(f"{'policy':<15}{'samples':>12}{'of ideal':>10}{'vs throughput':>15}{'dollars':>10}"
           f"{'migrations':>12}{'lost s':>9}")

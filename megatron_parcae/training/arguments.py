@@ -7,6 +7,7 @@ found after the first collective would hang the other ranks instead of failing.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
@@ -16,8 +17,15 @@ from typing import Any, Callable, NoReturn, Sequence
 import yaml
 
 from megatron_parcae.control.etcd.options import add_etcd_arguments, check_etcd_arguments
+from reconfig.layout import ModelShape, Parallelism, partition_layers
 
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
+# What ModelShape.problems checks, by the flags that set it.
+_FLAG_NAMES = {
+    "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
+    "tp": "--tensor-model-parallel-size", "dp": "data-parallel size", "stage_layers": "layers per stage",
+    "micro_batch_size": "--micro-batch-size", "global_batch_size": "--global-batch-size",
+}
 
 
 class ArgumentError(ValueError):
@@ -44,7 +52,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without next-sentence head")
-    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+                   help="default: transformer_engine on a GPU where Transformer Engine is installed, else local")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
 
@@ -72,6 +81,9 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-lease-seconds", type=float, default=10.0, metavar="SECONDS",
                    help="with --parcae-etcd: a process silent this long counts as lost, and a collective "
                         "waiting this long for a peer fails (default 10; above the longest wait within a step)")
+    g.add_argument("--parcae-events", default=None, metavar="FILE",
+                   help="append what the run does (logged steps, checkpoints, layout changes) to FILE as JSON "
+                        "lines, written by the layout's rank 0 (megatron_parcae/events.py); also without --parcae")
     add_etcd_arguments(p, prefix="parcae-", required=False)
 
 
@@ -228,19 +240,18 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                  "pipeline_model_parallel_size", "log_interval", "max_position_embeddings"):
         value = getattr(args, flag)
         _check(value > 0, f"--{flag.replace('_', '-')} must be positive, got {value}")
-    _check(args.num_attention_heads % T == 0,
-           f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-           f"--tensor-model-parallel-size {T}")
     _check(args.hidden_size % args.num_attention_heads == 0,
            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
-    _check(args.ffn_hidden_size % T == 0,
-           f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {T}")
+    _check(args.ffn_hidden_size > 0, f"--ffn-hidden-size must be positive, got {args.ffn_hidden_size}")
     _check(args.seq_length <= args.max_position_embeddings,
            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     args.stage_layers = stage_layers(args.num_layers, P, args.decoder_first_pipeline_num_layers,
                                      args.decoder_last_pipeline_num_layers)
+    # The vocabulary is padded once the tokenizer loads; no check here depends on its size.
+    shape = ModelShape.from_args(args, vocab_size=1)
+    _check_trainable(shape, Parallelism(T, P, 1, args.stage_layers))  # T and P before the world size they need
     if args.parcae_etcd is not None:
         _check_live_job(args)
         world_size = T * P  # the coordinator's plans choose the layout; T and P here are only checked
@@ -253,10 +264,8 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
            f"world size {world_size} is not a multiple of --tensor-model-parallel-size {T} x "
            f"--pipeline-model-parallel-size {P}")
     args.data_parallel_size = world_size // (T * P)
-    D = args.data_parallel_size
-    _check(args.global_batch_size % (args.micro_batch_size * D) == 0,
-           f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-           f"{args.micro_batch_size} x data-parallel size {D}")
+    initial = Parallelism(T, P, args.data_parallel_size, args.stage_layers)
+    _check_trainable(shape, initial, args.micro_batch_size, args.global_batch_size)
     for flag in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps", "init_method_std"):
         value = getattr(args, flag)
         _check(math.isfinite(value) and value >= 0, f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
@@ -276,9 +285,20 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check(not args.async_save or args.save is not None, "--async-save needs --save")
     if args.load is not None:
         _check(Path(args.load).is_dir(), f"--load: no checkpoint directory {args.load}")
+    if args.parcae_events is not None:
+        folder = Path(args.parcae_events).parent
+        _check(folder.is_dir(), f"--parcae-events: no directory {folder}")
     _validate_data(args)
+    _resolve_transformer_impl(args)
     if args.parcae_layout_schedule is not None:
-        _check_layout_schedule(args, total_workers)
+        _check_layout_schedule(args, total_workers, shape, initial)
+
+
+def _check_trainable(shape: ModelShape, parallelism: Parallelism, micro_batch_size: int | None = None,
+                     global_batch_size: int | None = None) -> None:
+    """The first of `ModelShape.problems`, in flag names."""
+    problems = shape.problems(parallelism, micro_batch_size, global_batch_size, _FLAG_NAMES)
+    _check(not problems, problems[0] if problems else "")
 
 
 def _check_live_job(args: argparse.Namespace) -> None:
@@ -310,15 +330,11 @@ def _parse_layout_schedule(args: argparse.Namespace) -> int:
         raise ArgumentError(f"--parcae-layout-schedule: {exc}") from None
 
 
-def _check_layout_schedule(args: argparse.Namespace, total_workers: int) -> None:
+def _check_layout_schedule(args: argparse.Namespace, total_workers: int, shape: ModelShape,
+                           initial: Parallelism) -> None:
     """Plan every change now (vocabulary size aside), so an impossible one fails before training."""
     from reconfig.schedule import parse_layout_schedule, plan_schedule
-    from reconfig.layout import ModelShape, Parallelism
 
-    shape = ModelShape(args.model, args.num_layers, args.hidden_size, args.num_attention_heads,
-                       args.ffn_hidden_size, args.make_vocab_size_divisible_by * 8, args.max_position_embeddings)
-    initial = Parallelism(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                          args.data_parallel_size, args.stage_layers)
     try:
         plan_schedule(parse_layout_schedule(args.parcae_layout_schedule), initial, total_workers, shape,
                       args.use_distributed_optimizer)
@@ -327,25 +343,31 @@ def _check_layout_schedule(args: argparse.Namespace, total_workers: int) -> None
 
 
 def stage_layers(num_layers: int, pipeline: int, first: int | None, last: int | None) -> tuple[int, ...]:
-    """Layers per pipeline stage: even, or with Megatron's uneven first/last stages."""
-    flag = "--num-layers"
-    inner_stages = pipeline - (first is not None) - (last is not None)
-    inner_layers = num_layers - (first or 0) - (last or 0)
+    """Layers per pipeline stage (`partition_layers`: even, or Megatron's uneven first/last
+    stages), with errors that name the flags."""
     for name, value in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
         _check(value is None or (value > 0 and pipeline > 1), f"{name} needs a positive value and more than one stage")
-    _check(inner_layers >= 0 and (inner_stages > 0 or inner_layers == 0),
-           f"{flag} {num_layers} cannot hold the uneven first/last stages given")
-    if inner_stages:
-        _check(inner_layers % inner_stages == 0 and inner_layers > 0,
-               f"{flag} {num_layers} is not divisible by --pipeline-model-parallel-size {pipeline}"
-               + (" (after the uneven first/last stages)" if inner_stages != pipeline else ""))
-    each = inner_layers // inner_stages if inner_stages else 0
-    layers = [each] * pipeline
-    if first is not None:
-        layers[0] = first
-    if last is not None:
-        layers[-1] = last
-    return tuple(layers)
+    try:
+        return partition_layers(num_layers, pipeline, first, last)
+    except ValueError as exc:
+        if first is None and last is None:
+            raise ArgumentError(f"--num-layers {num_layers} is not divisible by "
+                                f"--pipeline-model-parallel-size {pipeline}") from None
+        raise ArgumentError(f"--num-layers {num_layers} does not fit the uneven first/last stages given: {exc}") from None
+
+
+def _resolve_transformer_impl(args: argparse.Namespace) -> None:
+    """Megatron-LM's choice of layer implementation, where what it needs is installed."""
+    import torch
+
+    installed = importlib.util.find_spec("transformer_engine") is not None
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if installed and torch.cuda.is_available() else "local"
+    _check(args.transformer_impl == "local" or installed,
+           "--transformer-impl transformer_engine: Transformer Engine is not installed "
+           "(pip install 'megatron-parcae[gpu]'), or use --transformer-impl local")
+    _check(args.transformer_impl == "local" or torch.cuda.is_available(),
+           "--transformer-impl transformer_engine needs a GPU; use --transformer-impl local")
 
 
 def _validate_data(args: argparse.Namespace) -> None:

@@ -21,9 +21,10 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+from megatron_parcae import events
+from reconfig import compat
 from reconfig.optimizer_state import (
     STATE_KEYS,
     export_param_states,
@@ -74,7 +75,7 @@ def _drop_stale_write_results() -> None:
     save of the process would read those instead: its metadata would describe the
     files of the failed save, and the checkpoint would not load.
     """
-    results = filesystem_async._results_queue
+    results = compat.write_results_queue()
     while results is not None:
         try:
             results.get_nowait()
@@ -167,7 +168,7 @@ class Checkpointer:
         if dist.get_rank() == 0:
             _write_atomically(_progress_path(directory), json.dumps(meta, indent=1))
             _write_atomically(directory.parent / TRACKER, str(meta["iteration"]))
-            print(f" saved checkpoint at iteration {meta['iteration']} to {directory.parent}", flush=True)
+            events.report(events.Save(meta["iteration"], str(directory.parent)))
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -223,5 +224,5 @@ def resume(root: str | None, runtime) -> int:
         return 0
     progress = load(root, runtime)
     if dist.get_rank() == 0:
-        print(f" loaded checkpoint {root} at iteration {progress.iteration}", flush=True)
+        events.report(events.Load(progress.iteration, root))
     return progress.consumed_samples

@@ -28,7 +28,7 @@ fusion, ``use_cpu_initialization``         (``megatron_parcae.training.models``)
 
 ``enable_cpu_support()`` does all of this once per process and does nothing when CUDA is
 available, so GPU runs execute megatron-core untouched. The mode costs about 2-3% of a
-CPU training step (measured in ../shared/notes).
+CPU training step (docs/megatron-core.md).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from reconfig import compat
 
 _ENABLED = False
 
@@ -122,13 +124,10 @@ def enable_cpu_support() -> bool:
         return False
     if _ENABLED:
         return True
-    from megatron.core.tensor_parallel import random as mcore_random
-
     torch.cuda.current_device = lambda: 0
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda: None
-    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    compat.install_rng_tracker(CpuRNGStatesTracker())
     torch.set_flush_denormal(True)
     _CudaToCpuMode().__enter__()  # for the life of the process
     _ENABLED = True

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_parcae.training.cpu import enable_cpu_support
+from reconfig.world import process_group_backend
 
 
 def prepare_device() -> None:
@@ -28,7 +29,7 @@ def initialize_distributed() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     prepare_device()
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=10))
+    dist.init_process_group(process_group_backend(), timeout=timedelta(minutes=10))
 
 
 def collective_timeout(args: argparse.Namespace) -> timedelta:

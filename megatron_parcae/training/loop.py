@@ -15,6 +15,7 @@ import time
 
 import torch.distributed as dist
 
+from megatron_parcae import events
 from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.control.etcd.client import EtcdClient
 from megatron_parcae.training import checkpointing
@@ -23,20 +24,7 @@ from megatron_parcae.training.hooks import build_hook
 from megatron_parcae.training.hooks.live import LiveJobError, WorkerFenced
 from megatron_parcae.training.models import padded_vocab_size
 from megatron_parcae.training.progress import Progress
-from megatron_parcae.training.runtime import LayoutRuntime, StepResult
-
-
-def format_log_line(args: argparse.Namespace, progress: Progress, result: StepResult, ms_per_iter: float) -> str:
-    parts = [
-        f" iteration {progress.iteration:8d}/{args.train_iters:8d}",
-        f"consumed samples: {progress.consumed_samples:12d}",
-        f"elapsed time per iteration (ms): {ms_per_iter:.1f}",
-        f"learning rate: {result.learning_rate:.6E}",
-        f"global batch size: {args.global_batch_size:5d}",
-        *(f"{name}: {value:.6E}" for name, value in result.losses.items()),
-        f"grad norm: {result.grad_norm:.6f}",
-    ]
-    return " | ".join(parts) + " |"
+from megatron_parcae.training.runtime import LayoutRuntime
 
 
 def _fail(prog: str, message: str, code: int) -> int:
@@ -50,6 +38,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
     Without --parcae the layout is fixed. With --parcae-layout-schedule, or with `client`
     (connected to --parcae-etcd), a reconfiguration hook changes it in place.
     """
+    events.open_training_events(args.parcae_events)
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
     checkpoints = checkpointing.Checkpointer(args.save, args.async_save)
@@ -91,7 +80,9 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                 if report:
                     elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
                     if dist.get_rank() == 0:
-                        print(format_log_line(args, progress, result, elapsed_ms), flush=True)
+                        events.report(events.Iteration(
+                            progress.iteration, args.train_iters, progress.consumed_samples, args.global_batch_size,
+                            result.losses, result.grad_norm, result.learning_rate, elapsed_ms))
                     window_start, window_iters = time.perf_counter(), 0
                 if args.save_interval and progress.iteration % args.save_interval == 0:
                     checkpoints.save(runtime, progress)

@@ -8,6 +8,7 @@ initial weights, and the Float16/DDP wrappers, in the order megatron-core needs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 
 import torch
@@ -28,6 +29,10 @@ def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
     """
     multiple = args.make_vocab_size_divisible_by * math.lcm(args.tensor_model_parallel_size, 8)
     return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 def transformer_config(args: argparse.Namespace) -> TransformerConfig:
@@ -54,10 +59,12 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # Fused kernels and CUDA-side initialisation exist only on GPUs.
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False,
-        masked_softmax_fusion=on_gpu,
+        # Megatron-LM's own softmax kernel and apex's persistent LayerNorm, where installed
+        # (megatron-core asserts rather than falls back when they are asked for and absent).
+        masked_softmax_fusion=on_gpu and _installed("scaled_masked_softmax_cuda"),
         bias_dropout_fusion=on_gpu,
         bias_activation_fusion=on_gpu,
-        persist_layer_norm=on_gpu,
+        persist_layer_norm=on_gpu and _installed("apex"),
         apply_rope_fusion=False,
     )
 

@@ -86,6 +86,14 @@ def bert_forward_step(weight: float, data_iterator, model):
     return output, loss_func
 
 
+def _seed_step(seed: int, iteration: int) -> None:
+    """Dropout draws as a function of (seed, iteration, this rank's place in the layout), not
+    of the generators' history: a run resumed from a checkpoint, or moved to other
+    processes in place, draws what an uninterrupted run of the same layout draws."""
+    torch.manual_seed(seed + iteration)
+    model_parallel_cuda_manual_seed(seed + iteration)
+
+
 class LayoutRuntime:
     """The megatron-core objects of one layout: parallel state, model, optimizer, scheduler."""
 
@@ -141,6 +149,7 @@ class LayoutRuntime:
         """One global batch. With `report`, losses are reduced to every rank (a collective)."""
         args = self.args
         start = time.perf_counter()
+        _seed_step(args.seed, progress.iteration)
         micro_batches = rank_micro_batches(progress.consumed_samples, args.global_batch_size,
                                            args.micro_batch_size, self.dp_rank, self.dp_size)
         total = args.global_batch_size // args.micro_batch_size

@@ -1,13 +1,17 @@
 """Where a job keeps its state in etcd, what each value must look like, and typed access.
 
-Everything lives under `/parcae/<job>/`:
+Every key of a job, all under `/parcae/<job>/`:
 
-    members/<worker>    MemberRecord   on the worker's lease: present while it is alive
-    notices/<worker>    NoticeRecord   on the worker's lease: it got SIGTERM, leaves by `deadline`
-    steps/<worker>      StepReport     on the worker's lease: its latest measured step times
-    leader              LeaderRecord   on the coordinator's leader lease
-    generation          JSON integer   the newest published generation (absent = 0)
-    plans/<generation>  PlanEnvelope   the layout and migration of that generation
+    members/<worker>    MemberRecord      on the worker's lease: present while it is alive
+    notices/<worker>    NoticeRecord      on the worker's lease: it got SIGTERM, leaves by `deadline`
+    steps/<worker>      StepReport        on the worker's lease: its latest measured step times
+    leader              LeaderRecord      on the coordinator's leader lease
+    coordinator         CoordinatorState  what a restarted coordinator continues from
+    generation          JSON integer      the newest published generation (absent = 0)
+    plans/<generation>  PlanEnvelope      the layout and migration of that generation
+    progress            ProgressRecord    how far training got; on no lease, it outlives the workers
+    done                DoneRecord        training ended
+    store/...           (torch store)     the WORLDs' rendezvous (etcd/store.py), `parcae/g<N>/` per generation
 
 Every value is JSON and is validated on read and on write against the record's declared
 schema (types, ranges, required keys, no unknown keys): etcd is a network path, so
@@ -19,7 +23,6 @@ transaction that sees generation g-1, so no plan is ever applied twice.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import re
@@ -27,6 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
 from megatron_parcae.control.etcd.client import Compare, Delete, EtcdClient, Get, KeyValue, Put
+from predictor.forecast import AvailabilityForecast
+from reconfig.layout import Layout
+from reconfig.plan import MIGRATION_KINDS, MigrationPlan
 
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_PAYLOAD_BYTES = 1_500_000  # etcd refuses larger requests by default (--max-request-bytes)
@@ -34,6 +40,9 @@ MAX_WORKER_ID = 2**31 - 1
 MAX_GENERATION = 2**53  # exact in a JSON double
 MAX_TIMESTAMP = 1e11  # wall-clock seconds since the epoch; far beyond any real date
 PLANS_KEPT = 16  # older plans are deleted when a new one is published
+HISTORY_KEPT = 10_080  # intervals of availability history the coordinator keeps (a week of minutes)
+DECISIONS_KEPT = 16  # published decisions the coordinator keeps for `parcae status`, as many as the plans kept
+DECISION_KINDS = ("start", "restart", *MIGRATION_KINDS)  # "restart": resumed from a checkpoint
 
 
 class SchemaError(ValueError):
@@ -248,19 +257,86 @@ class StepReport(Record):
     }
 
 
-# The layout and migration bodies belong to reconfig/; their own from_dict validates them.
-_BODY_DECODERS = {"layout": ("reconfig.layout", "Layout"), "migration": ("reconfig.plan", "MigrationPlan")}
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53
 
 
-def _body_decoder(module_name: str, class_name: str) -> Callable[[dict], Any] | None:
+_DECISION_SCHEMA = {
+    "generation": Field(int, 1, MAX_GENERATION),
+    "at": _TIME,
+    "reason": Field(str, 1, 500),
+    "kind": Field(str, 1, 32),
+    "seconds": Field(float, 0, 1e9),
+}
+
+
+@dataclass(frozen=True)
+class CoordinatorState(Record):
+    """What a restarted coordinator needs beyond the newest plan.
+
+    `history` rows are [available, preempted, arrived] per interval, oldest first, the
+    last ending at `boundary_at`; `previous` were available at that boundary and `seen`
+    at some time since. `admitted` maps a worker of the layout to the process holding
+    its slot, [pid, registered_at] from its member record. `decisions` are the newest
+    published ones, for `parcae status`; `forecast` the last one made.
+    """
+
+    interval_seconds: float
+    boundary_at: float
+    history: list
+    previous: list
+    seen: list
+    admitted: dict
+    decisions: list
+    forecast: dict | None
+
+    SCHEMA = {
+        "interval_seconds": Field(float, 1e-3, 1e9),
+        "boundary_at": _TIME,
+        "history": Field(list),
+        "previous": Field(list),
+        "seen": Field(list),
+        "admitted": Field(dict),
+        "decisions": Field(list),
+        "forecast": Field(dict, nullable=True),
+    }
+
+    def check(self, where: str) -> None:
+        if len(self.history) > HISTORY_KEPT:
+            raise SchemaError(f"{where}.history", f"{len(self.history)} rows, more than {HISTORY_KEPT}")
+        for i, row in enumerate(self.history):
+            if not (isinstance(row, list) and len(row) == 3 and all(_is_count(v) for v in row)):
+                raise SchemaError(f"{where}.history[{i}]", f"expected [available, preempted, arrived], got {row!r}")
+        for name in ("previous", "seen"):
+            for value in getattr(self, name):
+                if not _is_count(value) or value > MAX_WORKER_ID:
+                    raise SchemaError(f"{where}.{name}", f"{value!r} is not a worker id")
+        for worker, process in self.admitted.items():
+            ok = worker.isascii() and worker.isdigit() and int(worker) <= MAX_WORKER_ID and isinstance(process, list) \
+                and len(process) == 2 and _is_count(process[0]) and isinstance(process[1], (int, float)) \
+                and not isinstance(process[1], bool) and math.isfinite(process[1])
+            if not ok:
+                raise SchemaError(f"{where}.admitted",
+                                  f"expected worker id -> [pid, registered_at], got {worker!r}: {process!r}")
+        if len(self.decisions) > DECISIONS_KEPT:
+            raise SchemaError(f"{where}.decisions", f"{len(self.decisions)} entries, more than {DECISIONS_KEPT}")
+        for i, decision in enumerate(self.decisions):
+            checked = validate(decision, _DECISION_SCHEMA, f"{where}.decisions[{i}]")
+            if checked["kind"] not in DECISION_KINDS:
+                raise SchemaError(f"{where}.decisions[{i}].kind", f"expected one of {', '.join(DECISION_KINDS)}")
+        if self.forecast is not None:
+            try:
+                AvailabilityForecast.from_dict(self.forecast)
+            except (ValueError, TypeError) as exc:
+                raise SchemaError(f"{where}.forecast", str(exc)) from None
+
+
+def _body(where: str, cls: type, body: dict) -> Any:
+    """A plan envelope's body as the reconfig/ object it encodes; that class validates it."""
     try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            return None
-        raise
-    cls = getattr(module, class_name, None)
-    return None if cls is None else cls.from_dict
+        return cls.from_dict(body)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise SchemaError(where, f"{cls.__name__}.from_dict refused it: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -286,17 +362,8 @@ class PlanEnvelope(Record):
     }
 
     def check(self, where: str) -> None:
-        decoded = {}
-        for name, (module_name, class_name) in _BODY_DECODERS.items():
-            decoder = _body_decoder(module_name, class_name)
-            body = getattr(self, name)
-            if decoder is None or body is None:
-                continue
-            try:
-                decoded[name] = decoder(body)
-            except (ValueError, TypeError, KeyError) as exc:
-                raise SchemaError(f"{where}.{name}", f"{class_name}.from_dict refused it: {exc}") from None
-        if "layout" in decoded and "migration" in decoded and decoded["migration"].new != decoded["layout"]:
+        layout = _body(f"{where}.layout", Layout, self.layout)
+        if self.migration is not None and _body(f"{where}.migration", MigrationPlan, self.migration).new != layout:
             raise SchemaError(f"{where}.migration", "its new layout is not the envelope's layout")
 
 
@@ -341,6 +408,10 @@ class JobKeys:
     @property
     def leader(self) -> str:
         return self.prefix + "leader"
+
+    @property
+    def coordinator(self) -> str:
+        return self.prefix + "coordinator"
 
     @property
     def generation(self) -> str:
@@ -507,8 +578,17 @@ class JobStore:
         kv = self.client.get(self.keys.done)
         return None if kv is None else DoneRecord.decode(kv.value, kv.key)
 
-    # -- leader ----------------------------------------------------------------------
+    # -- leader and coordinator ------------------------------------------------------
 
     def leader(self) -> LeaderRecord | None:
         kv = self.client.get(self.keys.leader)
         return None if kv is None else LeaderRecord.decode(kv.value, kv.key)
+
+    def coordinator_state(self) -> CoordinatorState | None:
+        """The coordinator's record of the job; None if no coordinator wrote one."""
+        kv = self.client.get(self.keys.coordinator)
+        return None if kv is None else CoordinatorState.decode(kv.value, kv.key)
+
+    def save_coordinator_state(self, state: CoordinatorState, guard: Sequence[Compare]) -> bool:
+        """Write the coordinator's record if every condition of `guard` holds (its leader lease)."""
+        return self.client.txn(list(guard), [Put(self.keys.coordinator, state.encode())]).succeeded

@@ -40,6 +40,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from megatron_parcae import events
 from megatron_parcae.training import checkpointing
 from megatron_parcae.training.device import collective_timeout, prepare_device
 from megatron_parcae.control.agent import ParcaeAgent
@@ -51,17 +52,16 @@ from reconfig.execute import (
     MigrationError,
     Runtime,
     built_layout,
-    change_report,
+    change_figures,
     export_held_state,
     hand_over,
     layout_args,
     migrate,
     release_runtime,
 )
-from reconfig.layout import Layout, Parallelism
+from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationPlan
-from reconfig.report import restart_line
-from reconfig.world import World, is_peer_failure
+from reconfig.world import World, is_peer_failure, process_group_backend
 
 STANDBY_POLL_SECONDS = 0.2
 DONE_POLL_SECONDS = 1.0
@@ -95,13 +95,13 @@ class LiveReconfiguration:
         self.store = JobStore(client, args.parcae_job)
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
                                  args.parcae_lease_seconds)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), backend,
+        self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), process_group_backend(),
                            collective_timeout=collective_timeout(args), superseded=self._superseded)
         self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
         self._applying = 0  # the plan being applied, while one is
         self._lost_by_generation: dict[int, frozenset[int] | None] = {}
         self.samples_per_iteration = args.global_batch_size
+        self.shape = ModelShape.from_args(args, vocab_size)
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
         self.before_change = before_change  # complete what needs this WORLD (a save in flight)
@@ -292,8 +292,8 @@ class LiveReconfiguration:
         runtime, consumed_samples = migrate(plan, envelope.generation, self.world, held, self.build,
                                             consumed_samples)
         if runtime is not None and dist.get_rank() == 0:
-            print(change_report(plan, envelope.generation, consumed_samples // self.samples_per_iteration, started),
-                  flush=True)
+            events.report(events.LayoutChange.of_migration(
+                envelope.generation, consumed_samples // self.samples_per_iteration, change_figures(plan, started)))
         return runtime, consumed_samples
 
     def _restart(self, generation: int, layout: Layout, runtime: Runtime | HeldState | None,
@@ -324,22 +324,17 @@ class LiveReconfiguration:
         if dist.get_rank() == 0:
             gbs = self.samples_per_iteration
             self.agent.record_progress(consumed_samples // gbs, consumed_samples, generation)  # training goes back here
-            print(restart_line(generation, consumed_samples // gbs, layout.parallelism, source or "the seed",
-                               max(0, int(known) - consumed_samples) // gbs, time.perf_counter() - started), flush=True)
+            p = layout.parallelism
+            events.report(events.LayoutChange(
+                generation, consumed_samples // gbs, "restart", p.tp, p.pp, p.dp, time.perf_counter() - started,
+                source=source or "the seed", lost_steps=max(0, int(known) - consumed_samples) // gbs))
         return runtime, consumed_samples
 
     def _check_buildable(self, generation: int, p: Parallelism) -> None:
         """Refuse a layout this run's model or batch cannot take (every worker refuses alike)."""
-        a = self.args
-        problems = []
-        if a.num_attention_heads % p.tp or a.ffn_hidden_size % p.tp:
-            problems.append(f"{a.num_attention_heads} heads or ffn size {a.ffn_hidden_size} not divisible by T={p.tp}")
-        if sum(p.stage_layers) != a.num_layers:
-            problems.append(f"its stages hold {sum(p.stage_layers)} layers, the model has {a.num_layers}")
-        if a.global_batch_size % (a.micro_batch_size * p.dp):
-            problems.append(f"global batch {a.global_batch_size} is not divisible by micro-batch "
-                            f"{a.micro_batch_size} x D={p.dp}")
-        if problems:
+        try:
+            self.shape.check(p, self.args.micro_batch_size, self.args.global_batch_size)
+        except ValueError as exc:
             raise LiveJobError(f"the plan of generation {generation} asks for T={p.tp} P={p.pp} D={p.dp}, which this "
-                               f"run cannot train: {'; '.join(problems)} (does the coordinator's profile describe "
-                               "this model and batch?)")
+                               f"run cannot train: {exc} (does the coordinator's profile describe this model and "
+                               "batch?)") from None

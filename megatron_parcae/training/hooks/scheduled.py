@@ -8,10 +8,11 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from megatron_parcae import events
 from megatron_parcae.training import checkpointing
 from megatron_parcae.training.device import initialize_distributed
-from reconfig.execute import Runtime, RuntimeFactory, change_report, hand_over, layout_args, migrate, model_shape
-from reconfig.layout import Parallelism
+from reconfig.execute import Runtime, RuntimeFactory, change_figures, hand_over, layout_args, migrate
+from reconfig.layout import ModelShape, Parallelism
 from reconfig.schedule import ScheduledMigration, parse_layout_schedule, plan_schedule
 from reconfig.world import World
 
@@ -29,7 +30,7 @@ class ScheduledReconfiguration:
         self.initial = Parallelism(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                    args.data_parallel_size, args.stage_layers)
         migrations = plan_schedule(parse_layout_schedule(args.parcae_layout_schedule), self.initial,
-                                   dist.get_world_size(), model_shape(args, vocab_size),
+                                   dist.get_world_size(), ModelShape.from_args(args, vocab_size),
                                    args.use_distributed_optimizer)
         self.migrations = [m for m in migrations if m.iteration < args.train_iters]
         self.generation = 0  # the last one this worker took part in
@@ -60,7 +61,8 @@ class ScheduledReconfiguration:
         started = time.perf_counter()
         new, consumed_samples = self._run(due, runtime)
         if new is not None and dist.get_rank() == 0:
-            print(change_report(due.plan, due.generation, iteration, started), flush=True)
+            figures = change_figures(due.plan, started)
+            events.report(events.LayoutChange.of_migration(due.generation, iteration, figures))
         if new is not None or self.world.worker in due.plan.request.leaving:
             return new, consumed_samples
         return self._join_after(due.generation)

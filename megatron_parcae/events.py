@@ -1,0 +1,296 @@
+"""What a training process reports, as typed events: one JSON object per line in the file
+`--parcae-events` names, and the line of Megatron's log that people read.
+
+Programs (the spot emulator, the benchmarks, the tests) read the events file with
+`read_events` or `EventFollower`, never the log: this module alone knows the log's
+format. `parcae coordinator --events` writes its published plans the same way.
+Free of torch, so that readers load fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from reconfig.execute import ChangeFigures
+
+
+class EventError(ValueError):
+    """A line of an events file that is not a valid event; the message says where and why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """What every event has: when it happened (Unix seconds) and its name in the file."""
+
+    NAME: ClassVar[str]
+    time: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps({"event": self.NAME, **asdict(self)})
+
+
+@dataclass(frozen=True)
+class Iteration(Event):
+    """A logged training step (every --log-interval, and the last)."""
+
+    NAME = "iteration"
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    global_batch_size: int
+    losses: dict[str, float]  # mean over the global batch, by name ("lm loss", "sop loss")
+    grad_norm: float
+    learning_rate: float
+    ms_per_iteration: float  # wall time per step since the previous logged step
+
+    def log_line(self) -> str:
+        parts = [
+            f" iteration {self.iteration:8d}/{self.train_iters:8d}",
+            f"consumed samples: {self.consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {self.ms_per_iteration:.1f}",
+            f"learning rate: {self.learning_rate:.6E}",
+            f"global batch size: {self.global_batch_size:5d}",
+            *(f"{name}: {value:.6E}" for name, value in self.losses.items()),
+            f"grad norm: {self.grad_norm:.6f}",
+        ]
+        return " | ".join(parts) + " |"
+
+
+@dataclass(frozen=True)
+class Save(Event):
+    """A checkpoint became the newest under `directory` (the --save root)."""
+
+    NAME = "save"
+    iteration: int
+    directory: str
+
+    def log_line(self) -> str:
+        return f" saved checkpoint at iteration {self.iteration} to {self.directory}"
+
+
+@dataclass(frozen=True)
+class Load(Event):
+    """A run started from the newest checkpoint under `directory` (--load)."""
+
+    NAME = "load"
+    iteration: int
+    directory: str
+
+    def log_line(self) -> str:
+        return f" loaded checkpoint {self.directory} at iteration {self.iteration}"
+
+
+@dataclass(frozen=True)
+class LayoutChange(Event):
+    """The job runs in a new layout from `iteration` on.
+
+    `kind` is the migration's (intra-stage, inter-stage, pipeline, tensor), with the bytes
+    it planned to move and, after it, the live process groups and resident memory of the
+    reporting process; or "restart": built from `source` (a checkpoint directory, or "the
+    seed"), training went back `lost_steps` steps. `seconds`: from the decision until the
+    new layout could train.
+    """
+
+    NAME = "layout_change"
+    generation: int
+    iteration: int
+    kind: str
+    tp: int
+    pp: int
+    dp: int
+    seconds: float
+    bytes_planned: int | None = None
+    process_groups: int | None = None
+    resident_mib: float | None = None
+    source: str | None = None
+    lost_steps: int = 0
+
+    @classmethod
+    def of_migration(cls, generation: int, iteration: int, figures: ChangeFigures) -> LayoutChange:
+        p = figures.parallelism
+        return cls(generation, iteration, figures.kind, p.tp, p.pp, p.dp, figures.seconds, figures.bytes_planned,
+                   figures.process_groups, figures.resident_mib)
+
+    def log_line(self) -> str:
+        head = f" layout change at iteration {self.iteration} (generation {self.generation}): "
+        to = f"to tp {self.tp} pp {self.pp} dp {self.dp}"
+        ms = f"{self.seconds * 1000.0:.1f} ms"
+        if self.kind == "restart":
+            return f"{head}restart {to} from {self.source}, {self.lost_steps} steps lost, {ms}"
+        return (f"{head}{self.kind} migration {to}, {self.bytes_planned} bytes planned, {ms}, "
+                f"{self.process_groups} process groups, {self.resident_mib:.0f} MiB resident")
+
+
+@dataclass(frozen=True)
+class PlanPublished(Event):
+    """The coordinator published the plan of `generation`: `kind` is start, restart or the
+    migration's; `lost` and `broken` are the layout's workers it was made without (lost)
+    or whose WORLD broke under them."""
+
+    NAME = "plan_published"
+    generation: int
+    kind: str
+    tp: int
+    pp: int
+    dp: int
+    workers: tuple[int, ...]  # of the new layout, by slot
+    expected_seconds: float
+    reason: str
+    lost: tuple[int, ...]
+    broken: tuple[int, ...]
+
+
+KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in (Iteration, Save, Load, LayoutChange, PlanPublished)}
+_HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
+TrainingEvent = Iteration | Save | Load | LayoutChange
+
+
+# -- writing -------------------------------------------------------------------------
+
+
+class EventWriter:
+    """Appends events to `path` (None: nowhere), each line in one write to a file opened
+    for appending: the layout's rank 0, which writes, may be another process after a
+    change, and processes that share the file then never mix their lines."""
+
+    def __init__(self, path: str | os.PathLike | None) -> None:
+        self.path = path
+
+    def write(self, event: Event) -> None:
+        if self.path is None:
+            return
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (event.to_json() + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+_training_events = EventWriter(None)
+
+
+def open_training_events(path: str | None) -> None:
+    """Where `report` appends this process's events (--parcae-events; None: no file)."""
+    global _training_events
+    _training_events = EventWriter(path)
+
+
+def report(event: TrainingEvent) -> None:
+    """Append `event` to this process's events file, then print its log line: a reader
+    woken by the line finds the event. The layout's rank 0 calls this."""
+    _training_events.write(event)
+    print(event.log_line(), flush=True)
+
+
+# -- reading -------------------------------------------------------------------------
+
+
+def parse_event(line: str, where: str) -> Event:
+    """One line of an events file; EventError names `where` and what is wrong."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise EventError(f"{where}: not JSON ({exc.msg}, column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise EventError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    name = data.pop("event", None)
+    kind = KINDS.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise EventError(f"{where}: 'event' is {name!r}, not one of {', '.join(KINDS)}")
+    hints = _HINTS[kind]
+    known = fields(kind)
+    if unknown := sorted(data.keys() - {f.name for f in known}):
+        raise EventError(f"{where}: {name} event with unknown field(s) {', '.join(unknown)}")
+    required = {f.name for f in known if f.default is MISSING and f.default_factory is MISSING}
+    if missing := sorted(required - data.keys()):
+        raise EventError(f"{where}: {name} event without field(s) {', '.join(missing)}")
+    values = {}
+    for key, value in data.items():
+        try:
+            values[key] = _decode(value, hints[key])
+        except TypeError:
+            raise EventError(f"{where}: {name} event's {key} is {value!r}, not {_show(hints[key])}") from None
+    return kind(**values)
+
+
+def _decode(value: object, hint: object) -> object:
+    """`value` as the field type `hint` holds it (a JSON list as a tuple); TypeError if it is not one."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is types.UnionType:
+        for option in args:
+            try:
+                return _decode(value, option)
+            except TypeError:
+                continue
+        raise TypeError
+    if (hint is type(None) and value is None) or (hint is str and isinstance(value, str)):
+        return value
+    if hint in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if hint is float:
+            return float(value)
+        if isinstance(value, int):
+            return value
+    if origin is dict and isinstance(value, dict):
+        return {_decode(k, args[0]): _decode(v, args[1]) for k, v in value.items()}
+    if origin is tuple and isinstance(value, list):
+        return tuple(_decode(v, args[0]) for v in value)
+    raise TypeError
+
+
+def _show(hint: object) -> str:
+    return str(hint) if typing.get_args(hint) else getattr(hint, "__name__", str(hint))
+
+
+def read_events(path: str | os.PathLike) -> list[Event]:
+    """Every event in the file, in order. A last line without its newline is what a killed
+    writer left: kept if it is a whole event, else ignored. Any other bad line raises
+    EventError."""
+    text = Path(path).read_bytes()
+    lines = text.split(b"\n")
+    last = lines.pop()  # b"" after a final newline
+    out = [_parse_bytes(line, f"{path}:{number}") for number, line in enumerate(lines, 1)]
+    if last:
+        try:
+            out.append(_parse_bytes(last, f"{path}:{len(lines) + 1}"))
+        except EventError:
+            pass
+    return out
+
+
+def _parse_bytes(line: bytes, where: str) -> Event:
+    try:
+        text = line.decode()
+    except UnicodeDecodeError as exc:
+        raise EventError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    return parse_event(text, where)
+
+
+class EventFollower:
+    """The events another process appends to a file, each whole line once, as it grows."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._lines = 0
+
+    def read(self) -> list[Event]:
+        """The events whose lines were completed since the last call (none while the file is absent)."""
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        lines = data.split(b"\n")[:-1]  # the last piece is not a whole line yet
+        out = [_parse_bytes(line, f"{self.path}:{self._lines + i}") for i, line in enumerate(lines, 1)]
+        self._offset += sum(len(line) + 1 for line in lines)
+        self._lines += len(lines)
+        return out

@@ -1,0 +1,48 @@
+"""One way to assemble the liveput stack: cost constants -> throughput model -> migration
+cost model -> optimizer.
+
+The live coordinator (and so the spot emulator, which runs it), `parcae simulate` and
+`parcae plan` all build here, so a simulated job decides as a live one would: the same
+throughput model, the same migration pricing and the same planner settings (whether the
+job shards its optimizer state decides which moments a plan moves, hence its cost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_parcae.liveput.cost import CostConstants, MigrationCostModel
+from megatron_parcae.liveput.optimizer import LiveputOptimizer
+from megatron_parcae.liveput.throughput import ThroughputModel, load_profile
+
+
+@dataclass(frozen=True)
+class LiveputStack:
+    """A job's throughput and migration cost models, and how its optimizer plans."""
+
+    throughput: ThroughputModel
+    costs: MigrationCostModel
+    lookahead: int  # intervals the optimizer plans over
+    distributed_optimizer: bool  # the job trains with --use-distributed-optimizer
+
+    @property
+    def constants(self) -> CostConstants:
+        return self.costs.constants
+
+    def optimizer(self) -> LiveputOptimizer:
+        """A new optimizer; it caches plans and costs, so keep one per job or simulated run."""
+        return LiveputOptimizer(self.throughput, self.costs, self.lookahead,
+                                distributed_optimizer=self.distributed_optimizer)
+
+
+def build_liveput(profile: str | Path | ThroughputModel, constants: CostConstants, *, lookahead: int,
+                  distributed_optimizer: bool, model: str | None = None,
+                  max_workers: int | None = None) -> LiveputStack:
+    """The stack for `profile`: a throughput model, or a file `load_profile` reads (a CSV
+    table takes its shape from `constants` under `model`; a layer profile enumerates
+    layouts on up to `max_workers` workers)."""
+    throughput = profile if isinstance(profile, ThroughputModel) else \
+        load_profile(profile, constants.models, model, max_workers)
+    return LiveputStack(throughput, MigrationCostModel(constants, throughput.model_shape), lookahead,
+                        distributed_optimizer)
