@@ -162,8 +162,9 @@ def _children(pid: int) -> list[int]:
 
 
 def follow(piped: list[subprocess.Popen], events: Path, training: Callable[[], list[int]], side: list[int],
-           what: str) -> tuple[str, list[Event], dict[int, tuple[float, float]]]:
-    """Read the piped processes' output until all of them exit 0, and their events.
+           what: str, serving: tuple[subprocess.Popen, ...] = ()) -> tuple[str, list[Event], dict[int, tuple[float, float]]]:
+    """Read the piped processes' output until all of them exit 0, and their events;
+    RunFailed at once if a `serving` process (the coordinator) exits first.
 
     Returns the output, the events and, for each reported iteration, the CPU seconds the
     training and the side processes had spent when its log line arrived (an event is
@@ -178,6 +179,9 @@ def follow(piped: list[subprocess.Popen], events: Path, training: Callable[[], l
     reported: list[Event] = []
     cpu_at: dict[int, tuple[float, float]] = {}
     while selector.get_map() and time.monotonic() < deadline:
+        stopped = [proc.args[:4] for proc in serving if proc.poll() is not None]
+        if stopped:
+            raise RunFailed(f"{what}: {' '.join(map(str, stopped[0]))} exited before training ended")
         for key, _ in selector.select(timeout=1.0):
             data = os.read(key.fd, 1 << 16)
             if not data:
@@ -284,7 +288,7 @@ def run_parcae(processes: int, iterations: int, config: Path, events: Path) -> R
             started.append(workers[-1])
         try:
             output, events_seen, cpu_at = follow(workers, events, lambda: [w.pid for w in workers],
-                                                 [server.pid, coordinator.pid], what)
+                                                 [server.pid, coordinator.pid], what, serving=(coordinator,))
         except RunFailed as exc:
             raise RunFailed(f"{exc}\ncoordinator:\n{coordinator_log.read_text(errors='replace')[-2000:]}") from None
         return figures(output, events_seen, cpu_at, processes, what)
@@ -344,10 +348,15 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"training iterations per run, the first {WARMUP} not counted (default 30)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="plain / parcae pairs per process count (default 3)")
+    parser.add_argument("--processes", type=int, nargs="+", default=list(PROCESSES), metavar="N",
+                        help="process counts to compare (default 1 2; one GPU takes only 1)")
+    parser.add_argument("--bf16", action="store_true", help="train in bf16 (both runs)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures to this file")
     args = parser.parse_args(argv)
-    if args.iterations <= WARMUP + 1 or args.rounds < 1:
-        parser.error(f"--iterations must exceed {WARMUP + 1} and --rounds be at least 1")
+    if args.bf16:
+        BASE.append("--bf16")
+    if args.iterations <= WARMUP + 1 or args.rounds < 1 or min(args.processes) < 1:
+        parser.error(f"--iterations must exceed {WARMUP + 1}, --rounds and --processes be at least 1")
 
     from megatron_parcae.training.data.corpus import prepare_tiny_datasets
 
@@ -358,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     comparisons: list[Comparison] = []
     try:
         with tempfile.TemporaryDirectory(prefix="parcae-overhead-") as tmp:
-            for processes in PROCESSES:
+            for processes in args.processes:
                 comparisons.append(measure(processes, args.iterations, args.rounds, Path(tmp)))
     except RunFailed as exc:
         print(f"RUN FAILED: {exc}", flush=True)

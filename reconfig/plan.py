@@ -27,7 +27,6 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from reconfig.layout import (
     Layout,
@@ -530,6 +529,9 @@ def plan_migration(request: MigrationRequest, target: Parallelism, shape: ModelS
     cost = migration.class_costs()[row_class[:, None], migration.new_classes()[None, :]]
     old_rank = np.array([request.old.rank_of(w) if w in request.survivors else -1 for w in candidates])
     tie_break = np.where(old_rank < 0, 2.0, 1.0)[:, None] - (old_rank[:, None] == np.arange(target.world_size))
+    # Imported here: scipy.optimize costs every process that parses arguments 0.6 s.
+    from scipy.optimize import linear_sum_assignment
+
     rows, cols = linear_sum_assignment(cost * 4.0 + tie_break)
     slots = [0] * target.world_size
     for r, c in zip(rows, cols):

@@ -1,8 +1,7 @@
-"""Shared test set-up: where the repository, its traces and anchors are, the tiny datasets, one etcd."""
+"""The pytest fixtures: the tiny datasets, etcd servers, live jobs. Shared helpers are in helpers.py."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import uuid
@@ -10,9 +9,18 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TRACES = REPO / "traces"
-ANCHORS = REPO / "benchmarks" / "anchors" / "parcae"
+from helpers import REPO, TRAIN, losses, start_logged, torchrun
+
+# Fixtures that start processes (etcd servers, coordinators, workers, torchrun jobs): a
+# test that uses one is `slow`. Tests that start processes themselves carry the mark.
+PROCESS_FIXTURES = frozenset({"etcd_server", "client", "own_etcd", "auth_server", "secure_server", "live_job",
+                              "uninterrupted"})
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -92,29 +100,9 @@ def secure_server(tmp_path_factory):
 
 
 # The live jobs of test_live.py and test_recovery.py: GPT-tiny, with the losses reported.
-ITERS = 30
-TRAIN = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def worker_events(logs: Path) -> list:
-    """The events every worker of a `live_job` wrote (worker-ID.events.jsonl), in time order."""
-    from megatron_parcae.events import read_events
-
-    return sorted((e for path in logs.glob("worker-*.events.jsonl") for e in read_events(path)), key=lambda e: e.time)
-
-
 @pytest.fixture(scope="session")
 def uninterrupted(tiny_data) -> dict[int, float]:
     """Losses of TRAIN in one process, with no layout change."""
-    from launch import losses, torchrun
 
     return losses(torchrun("pretrain_gpt.py", 1, TRAIN))
 
@@ -133,13 +121,13 @@ def live_job(etcd_server, client, tmp_path):
     processes: list[subprocess.Popen] = []
 
     def coordinator(name: str) -> subprocess.Popen:
-        p = _start([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", etcd_server.endpoint,
+        p = start_logged([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", etcd_server.endpoint,
                     "--job", job, "--config", str(config)], tmp_path / f"coordinator-{name}.log")
         processes.append(p)
         return p
 
     def worker(worker_id: int) -> subprocess.Popen:
-        p = _start([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae", "--parcae-etcd",
+        p = start_logged([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae", "--parcae-etcd",
                     etcd_server.endpoint, "--parcae-job", job, "--parcae-worker-id", str(worker_id),
                     "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5",
                     "--save", str(tmp_path / "checkpoints"), "--save-interval", "4", "--async-save",

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from test_etcd import LEASE_S, envelope, new_job, python_child, wait_for
+from helpers import LEASE_S, envelope, new_job, python_child, wait_for
 
 from megatron_parcae.control.agent import AgentError, ParcaeAgent
 from megatron_parcae.control.etcd import JobStore

@@ -4,12 +4,15 @@ not taken for a written one."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
 
-from conftest import REPO
-from launch import SMALL_GPT
+from helpers import REPO, SMALL_GPT
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 # One rank. Its first save fails at the barrier after the files are written (where a
 # peer's death makes it fail), then a model of another shape is saved and loaded back.
@@ -27,6 +30,7 @@ from reconfig.optimizer_state import export_param_states
 from megatron_parcae.training.device import prepare_device
 from megatron_parcae.training.progress import Progress
 from megatron_parcae.training.runtime import LayoutRuntime
+
 
 root, flags = sys.argv[1], sys.argv[2:]
 prepare_device()

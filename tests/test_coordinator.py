@@ -23,7 +23,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_etcd import LEASE_S, new_job, python_child, wait_for
+from helpers import LEASE_S, new_job, python_child, wait_for
 
 from megatron_parcae import cli
 from megatron_parcae.control.coordinator import ConfigError, Coordinator, CoordinatorConfig

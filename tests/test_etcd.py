@@ -10,11 +10,8 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -34,47 +31,7 @@ from megatron_parcae.control.etcd import (
     SchemaError,
 )
 from megatron_parcae.control.etcd.keys import MemberRecord, NoticeRecord, ProgressRecord, StepReport
-from reconfig.layout import Layout, ModelShape, Parallelism
-from reconfig.plan import MigrationRequest, plan_migration
-
-REPO = Path(__file__).resolve().parents[1]
-LEASE_S = 2.0  # etcd's shortest lease with its default 100 ms heartbeat
-
-def new_job() -> str:
-    return f"test-{uuid.uuid4().hex[:10]}"
-
-
-SHAPE = ModelShape("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128, max_position_embeddings=32)
-
-
-def first_layout(workers: list[int]) -> Layout:
-    return Layout(Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), tuple(workers))
-
-
-def envelope(generation: int, workers: list[int], previous: list[int] | None = None) -> PlanEnvelope:
-    """A real plan: the first layout, or a migration from `previous` to `workers`."""
-    if previous is None:
-        return PlanEnvelope(generation, time.time(), first_layout(workers).to_dict(), None)
-    old = first_layout(previous)
-    request = MigrationRequest(old, frozenset(previous) & frozenset(workers), frozenset(), frozenset(workers) - frozenset(previous))
-    plan = plan_migration(request, Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), SHAPE)
-    return PlanEnvelope(generation, time.time(), plan.new.to_dict(), plan.to_dict())
-
-
-def python_child(code: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
+from helpers import LEASE_S, envelope, first_layout, new_job, python_child
 
 # -- schema through a real server -------------------------------------------------------
 
@@ -389,6 +346,7 @@ def test_server_restart_keeps_data_and_clients_reconnect(own_etcd):
     assert store.current_generation() == 1  # the same client, after the restart
 
 
+@pytest.mark.slow
 def test_server_stop_removes_everything():
     server = EtcdServer().start()
     data_dir, pid = server.data_dir, server.pid

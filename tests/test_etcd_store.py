@@ -196,6 +196,7 @@ def test_transient_etcd_errors_are_retried_refused_credentials_are_not(client):
         EtcdStore(down, store._prefix, timedelta(milliseconds=100)).get("k")
 
 
+@pytest.mark.slow
 def test_get_waits_through_an_etcd_restart():
     with EtcdServer() as server, EtcdClient(server.endpoint, timeout=1) as own:
         store = _store(own, timeout=timedelta(seconds=30))

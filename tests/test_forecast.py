@@ -22,9 +22,9 @@ from predictor.forecast import (
 )
 from predictor.traces import AvailabilityTrace
 
-import conftest
+import helpers
 
-TRACES = conftest.TRACES
+TRACES = helpers.TRACES
 QUICK_DEFAULT = {"default": {"members": ("last-value", "rolling-median")}}  # no Prophet fits
 GOOD_FORECAST = {"interval_seconds": 60, "expected": [1.0], "quantiles": {"0.1": [0.5], "0.5": [1.0], "0.9": [1.5]},
                  "preemptions": [0.1], "arrivals": [0.1]}
@@ -205,6 +205,7 @@ def test_default_switches_to_a_model_that_clearly_wins() -> None:
     assert results["default"].mae_at_horizon < 0.8 * results["last-value"].mae_at_horizon
 
 
+@pytest.mark.slow
 def test_prophet_follows_a_trend_and_stays_quiet(capfd, caplog) -> None:
     ramp = np.repeat(np.arange(10, 40), 8)  # one more instance every 8 minutes, 4 hours
     forecaster = ProphetForecaster(60.0, horizon=10, refit_seconds=5400, min_fit_seconds=5400)
@@ -279,6 +280,7 @@ def test_cli_errors_exit_non_zero(tmp_path: Path, capsys, text: str, arguments: 
         ("aws-v100-16node/us-east-2b_v100_1.json", 300, 120),  # the full 270 h is the CLI's job
     ],
 )
+@pytest.mark.slow
 def test_default_never_worse_than_last_value_and_calibrated(relative: str, interval: int, hours: float | None) -> None:
     trace = AvailabilityTrace.load(TRACES / relative)
     if hours:

@@ -96,6 +96,7 @@ def unit_of(name: str, layer_offset: int, tied: bool) -> str:
     return HEAD
 
 
+@pytest.mark.slow
 def test_stage_units_match_megatron_core_parameters(megatron: dict) -> None:
     """Each chunk's parameters, grouped into units and split/replicated by megatron-core's own
     tensor_model_parallel flag, equal what stage_units predicts (P=1: 3 layers; P=2: 2 + 1)."""
@@ -113,6 +114,7 @@ def test_stage_units_match_megatron_core_parameters(megatron: dict) -> None:
         assert measured == expected, (kind, tied, pre, post)
 
 
+@pytest.mark.slow
 def test_rank_order_matches_megatron_rank_generator(megatron: dict) -> None:
     for key, groups in megatron["groups"].items():
         t, p, d = map(int, key.split(","))

@@ -3,12 +3,15 @@ megatron-core state behind: the next layout of the same process builds."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
 
-from conftest import REPO
-from launch import SMALL_GPT
+from helpers import REPO, SMALL_GPT
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 FAILED_THEN_BUILT = """
 import sys
@@ -19,6 +22,7 @@ from megatron_parcae.training.device import prepare_device
 from megatron_parcae.training.arguments import parse_args
 from megatron_parcae.training.data.datasets import build_tokenizer
 from megatron_parcae.training.models import padded_vocab_size
+
 
 prepare_device()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

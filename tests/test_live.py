@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import signal
 
-from conftest import ITERS, worker_events
-from launch import assert_close, trained_losses
-from test_etcd import wait_for
+from helpers import ITERS, assert_close, trained_losses, wait_for, worker_events
 from megatron_parcae.events import Iteration, LayoutChange
 
 def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted):

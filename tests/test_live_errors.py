@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 FAILURE_BUDGET_S = 10.0
@@ -160,6 +160,7 @@ def assert_failed_clearly(finished: list[Finished], code: int, *words: str) -> N
 # -- 1. etcd unreachable ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_unreachable_etcd_fails_fast_with_the_endpoint(coordinator_config):
     endpoint, job = f"127.0.0.1:{closed_port()}", job_name()
     finished = run_each(*three_commands(endpoint, job, coordinator_config, [], []))
@@ -220,6 +221,7 @@ def assert_nothing_started(f: Finished, workdir: Path) -> None:
     ("instances over time\nplenty;few\n", r":1: unrecognised trace format: expected .*'ms,count'"),
     (None, r":\d+: cannot read: No such file or directory"),
 ], ids=["unknown-format", "missing-file"])
+@pytest.mark.slow
 def test_replay_rejects_a_bad_trace_before_starting_anything(tmp_path, content, why):
     trace = tmp_path / "availability.trace"
     if content is not None:
@@ -248,6 +250,7 @@ def one_instance_trace(tmp_path: Path) -> Path:
     (["--num-layers", "many"], "argument --num-layers: invalid int value: 'many'"),
     (["--tensor-model-parallel-size", "3"], "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
 ], ids=["unknown", "not-a-number", "layout"])
+@pytest.mark.slow
 def test_replay_rejects_a_bad_training_flag_before_starting_anything(tmp_path, flags, why):
     workdir = tmp_path / "replay"
     f = replay(one_instance_trace(tmp_path), workdir, *flags).wait()
@@ -258,6 +261,7 @@ def test_replay_rejects_a_bad_training_flag_before_starting_anything(tmp_path, f
     assert_nothing_left([f], str(workdir))
 
 
+@pytest.mark.slow
 def test_replay_stops_everything_when_a_worker_crashes_at_start(tmp_path):
     # A vocabulary that passes flag validation (the file exists) but is not one: the
     # worker crashes building its tokenizer, after it has joined etcd.

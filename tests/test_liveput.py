@@ -28,9 +28,9 @@ from predictor.forecast import AvailabilityForecast
 from reconfig.layout import Layout, ModelShape, Parallelism, balanced_partition
 from reconfig.plan import MigrationRequest, plan_migration
 
-import conftest
+import helpers
 
-ANCHORS = str(conftest.ANCHORS)
+ANCHORS = str(helpers.ANCHORS)
 CONSTANTS = CostConstants.load()
 GPT_1_5B = CONSTANTS.model("gpt-1.5b")
 TINY = ModelShape("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128,

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 from megatron_parcae.liveput.throughput import PipelineModel
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def _profile(tmp_path, *extra: str) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import SMALL_GPT, assert_close, assert_same_state, layout_flags, losses, torchrun
+from helpers import SMALL_GPT, assert_close, assert_same_state, layout_flags, losses, torchrun
 from megatron_parcae import events
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 from reconfig.schedule import LayoutChange, parse_layout_schedule
@@ -47,6 +47,7 @@ def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, 
 OPTIMIZERS = pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-adam"])
 
 
+@pytest.mark.slow
 @OPTIMIZERS
 def test_tensor_and_pipeline_changes_train_the_same_model(reference_run, distributed_optimizer, tmp_path):
     reference, reference_save = reference_run
@@ -58,6 +59,7 @@ def test_tensor_and_pipeline_changes_train_the_same_model(reference_run, distrib
     assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(ITERS)])
 
 
+@pytest.mark.slow
 def test_pipeline_deepens_and_back_then_intra_stage_leave_moves_nothing(reference_run, tmp_path):
     """P 2 -> 4 -> 2, then a rank of each stage of the D=2 layout leaves and the other
     replica goes on alone, with no model state moved."""
@@ -70,6 +72,7 @@ def test_pipeline_deepens_and_back_then_intra_stage_leave_moves_nothing(referenc
     assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(ITERS)])
 
 
+@pytest.mark.slow
 @OPTIMIZERS
 def test_grace_period_hand_over_then_growth(reference, distributed_optimizer):
     """Stage 1 loses both replicas with notice (they send before exiting), two workers join,
@@ -80,6 +83,7 @@ def test_grace_period_hand_over_then_growth(reference, distributed_optimizer):
     assert_close(found, reference)
 
 
+@pytest.mark.slow
 def test_repeated_changes_leak_no_process_groups(tiny_data):
     schedule = ";".join(f"{i}:{2 if i % 2 else 1},2,{1 if i % 2 else 2}" for i in range(1, 21))
     found, changes, _ = _scheduled(4, 2, schedule, False, iters=21)
@@ -118,6 +122,7 @@ def test_schedule_needs_parcae(tiny_data):
                    prog="pretrain_gpt.py", model="gpt", world_size=1)
 
 
+@pytest.mark.slow
 def test_bert_changes_train_the_same_model(tiny_data):
     """BERT (`encoder.layers`, random masking) with the distributed optimizer: replicas
     leave (their optimizer shards move: not intra-stage), the pipeline deepens as two

@@ -8,9 +8,7 @@ import os
 import signal
 import time
 
-from launch import assert_close, trained_losses
-from test_etcd import wait_for
-from conftest import ITERS, REPO, worker_events
+from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, worker_events
 from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.events import Iteration, LayoutChange
 

@@ -10,9 +10,10 @@ import sys
 
 import pytest
 
-from conftest import REPO, TRACES
-from launch import SMALL_GPT, assert_close, losses, torchrun
+from helpers import REPO, SMALL_GPT, TRACES, assert_close, losses, torchrun
 from megatron_parcae.events import Iteration, read_events
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 # Small steps keep the roundoff of changing tensor-parallel reductions from growing over
 # a hundred iterations (the invariant is about the computation, not about chaos).

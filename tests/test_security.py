@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 
-from conftest import REPO
+from helpers import REPO
 
 # Everything that runs in a training process, the coordinator or the emulator.
 NETWORK_PATH = ["megatron_parcae", "reconfig", "predictor"]

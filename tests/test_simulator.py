@@ -19,11 +19,11 @@ from megatron_parcae.tools.simulate import Replay, Simulation
 from megatron_parcae.tools.plan import cycled
 from predictor.traces import AvailabilityTrace
 
-import conftest
+import helpers
 
-P3 = str(conftest.TRACES / "aws-p3" / "p3-trace.csv")
-GPT = str(conftest.ANCHORS / "gpt-1.5b.csv")
-BERT = str(conftest.ANCHORS / "bert.csv")
+P3 = str(helpers.TRACES / "aws-p3" / "p3-trace.csv")
+GPT = str(helpers.ANCHORS / "gpt-1.5b.csv")
+BERT = str(helpers.ANCHORS / "bert.csv")
 # Parcae's artifact on aws-p3, GPT-1.5B, global batch 128 (benchmarks/anchors/parcae/README.md)
 PARCAE_IDEAL = {"hh": 143547.3, "hl": 149501.6, "lh": 108432.9, "ll": 103787.5}
 PARCAE_THROUGHPUT = {"hh": 107545.2, "hl": 124158.5, "lh": 73255.3, "ll": 98820.4}
@@ -104,6 +104,7 @@ def write_flat_trace(path, count: int, minutes: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_plan_adds_on_demand_only_when_spot_alone_is_too_slow(tmp_path, capsys):
     trace = write_flat_trace(tmp_path / "four.csv", 4, 30)
     # BERT on 4 instances trains ~130 samples/s; 300k samples in 30 minutes needs ~167/s

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 SLURM = REPO / "scripts" / "slurm"
 SCRIPTS = sorted([*SLURM.glob("*.sh"), *SLURM.glob("*.sbatch")])

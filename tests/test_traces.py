@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from predictor.traces import AvailabilityTrace, TraceFormatError
 
-import conftest
+import helpers
 
-TRACES = conftest.TRACES
+TRACES = helpers.TRACES
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

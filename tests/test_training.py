@@ -16,8 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO
-from launch import SMALL_GPT, assert_close, layout_flags, losses, torchrun, write_tracker
+from helpers import REPO, SMALL_GPT, assert_close, layout_flags, losses, torchrun, write_tracker
 
 
 
@@ -31,6 +30,7 @@ def reference(tiny_data) -> dict[int, float]:
 @pytest.mark.parametrize("layout,distributed_optimizer", [
     ((2, 1, 1), False), ((1, 1, 2), True), ((2, 2, 1), True), ((1, 2, 2), False),
 ], ids=lambda v: "T%dP%dD%d" % v if isinstance(v, tuple) else ("distributed-adam" if v else "adam"))
+@pytest.mark.slow
 def test_layouts_train_the_same_model(reference, layout, distributed_optimizer):
     tp, pp, dp = layout
     extra = ["--use-distributed-optimizer"] if distributed_optimizer else []
@@ -48,6 +48,7 @@ def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, dict[int, float]]:
     return save, full
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("resume_layout", [(1, 2, 1), (2, 1, 2)], ids=["same-layout", "other-layout"])
 def test_resume_continues_exactly(saved_run, resume_layout):
     save, full = saved_run
@@ -77,16 +78,19 @@ def _fail(args: list[str], world_size: int = 1) -> str:
     (["--data-path", "data/no-such-dataset"], 1, "--data-path"),
     (["--async-save"], 1, "--async-save needs --save"),
 ], ids=["heads", "layers", "global-batch", "world-size", "data-path", "async-save"])
+@pytest.mark.slow
 def test_bad_input_fails_in_one_line(tiny_data, args, world, flag):
     assert flag in _fail(["--config", "configs/gpt-tiny.yaml", *args], world)
 
 
+@pytest.mark.slow
 def test_unknown_config_key_is_named(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text((REPO / "configs" / "gpt-tiny.yaml").read_text() + "num-layerz: 4\n")
     assert "num-layerz" in _fail(["--config", str(config)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,config", [("pretrain_gpt.py", "gpt-tiny"), ("pretrain_bert.py", "bert-tiny")])
 def test_tiny_configs_learn_in_50_iterations(tiny_data, script, config):
     run = losses(torchrun(script, 2, ["--config", f"configs/{config}.yaml", "--train-iters", "50",

@@ -1,4 +1,6 @@
-"""Run the real pretraining scripts under torchrun and read the events they write."""
+"""What the tests share: where things are, how to run the real scripts and read their
+events, and small waits and fixtures-in-code. Test modules import this module only
+(conftest.py holds the pytest fixtures)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,79 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import REPO
+from megatron_parcae.control.etcd import PlanEnvelope
 from megatron_parcae.events import Event, Iteration, read_events
+from reconfig.layout import Layout, ModelShape, Parallelism
+from reconfig.plan import MigrationRequest, plan_migration
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO / "traces"
+ANCHORS = REPO / "benchmarks" / "anchors" / "parcae"
+
+# The live-job tests' training run (conftest.live_job, conftest.uninterrupted).
+ITERS = 30
+TRAIN = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
+
+LEASE_S = 2.0  # etcd's shortest lease with its default 100 ms heartbeat
+
+
+def new_job() -> str:
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+SHAPE = ModelShape("gpt", num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=128,
+                   max_position_embeddings=32)
+
+
+def first_layout(workers: list[int]) -> Layout:
+    return Layout(Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), tuple(workers))
+
+
+def envelope(generation: int, workers: list[int], previous: list[int] | None = None) -> PlanEnvelope:
+    """A real plan: the first layout, or a migration from `previous` to `workers`."""
+    if previous is None:
+        return PlanEnvelope(generation, time.time(), first_layout(workers).to_dict(), None)
+    old = first_layout(previous)
+    request = MigrationRequest(old, frozenset(previous) & frozenset(workers), frozenset(),
+                               frozenset(workers) - frozenset(previous))
+    plan = plan_migration(request, Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), SHAPE)
+    return PlanEnvelope(generation, time.time(), plan.new.to_dict(), plan.to_dict())
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def python_child(code: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def start_logged(cmd: list[str], log: Path) -> subprocess.Popen:
+    """A process of the repository, its output in `log`."""
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def worker_events(logs: Path) -> list:
+    """The events every worker of a `live_job` wrote (worker-ID.events.jsonl), in time order."""
+    return sorted((e for path in logs.glob("worker-*.events.jsonl") for e in read_events(path)), key=lambda e: e.time)
+
 
 # Small enough that a 4-process run of 10-20 iterations takes seconds on 2 cores.
 SMALL_GPT = ["--config", "configs/gpt-tiny.yaml", "--num-layers", "4", "--hidden-size", "64",
@@ -37,7 +107,7 @@ class Run:
 
 
 def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600) -> Run:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = child_env()
     with tempfile.TemporaryDirectory(prefix="parcae-test-events-") as tmp:
         events = Path(tmp) / "events.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
