@@ -31,3 +31,21 @@ class LayoutHook(Protocol):
 
     def finish(self, consumed_samples: int | None) -> None:
         """This process is done; `consumed_samples` is None unless training reached its end."""
+
+
+class TorchrunHook:
+    """What the hooks of a torchrun job share: torchrun owns the processes, so there is
+    nothing to record per step, a failed collective ends the run, and nobody needs
+    telling at the end."""
+
+    def trained(self, consumed_samples: int) -> None:
+        pass
+
+    def can_recover(self, error: BaseException) -> bool:
+        return False
+
+    def recover(self, runtime: Runtime, consumed_samples: int, error: BaseException) -> tuple[Runtime | None, int]:
+        raise error
+
+    def finish(self, consumed_samples: int | None) -> None:
+        pass

@@ -7,10 +7,11 @@ from collections.abc import Callable
 
 from megatron_parcae.training import checkpointing
 from megatron_parcae.training.device import initialize_distributed
+from megatron_parcae.training.hooks.base import TorchrunHook
 from reconfig.execute import Runtime
 
 
-class FixedLayout:
+class FixedLayout(TorchrunHook):
     def __init__(self, args: argparse.Namespace, vocab_size: int,
                  runtime_factory: Callable[[argparse.Namespace, int], Runtime]) -> None:
         initialize_distributed()
@@ -23,15 +24,3 @@ class FixedLayout:
 
     def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
         return runtime, consumed_samples
-
-    def trained(self, consumed_samples: int) -> None:
-        pass
-
-    def can_recover(self, error: BaseException) -> bool:
-        return False
-
-    def recover(self, runtime: Runtime, consumed_samples: int, error: BaseException) -> tuple[Runtime | None, int]:
-        raise error
-
-    def finish(self, consumed_samples: int | None) -> None:
-        pass

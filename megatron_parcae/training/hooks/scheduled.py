@@ -11,13 +11,14 @@ import torch.distributed as dist
 from megatron_parcae import events
 from megatron_parcae.training import checkpointing
 from megatron_parcae.training.device import initialize_distributed
+from megatron_parcae.training.hooks.base import TorchrunHook
 from reconfig.execute import Runtime, RuntimeFactory, change_figures, hand_over, layout_args, migrate
 from reconfig.layout import ModelShape, Parallelism
 from reconfig.schedule import ScheduledMigration, parse_layout_schedule, plan_schedule
 from reconfig.world import World
 
 
-class ScheduledReconfiguration:
+class ScheduledReconfiguration(TorchrunHook):
     """The changes of the schedule, planned up front and applied in order. Workers that
     only a later layout uses (`join=`) wait on standby until it places them."""
 
@@ -66,18 +67,6 @@ class ScheduledReconfiguration:
         if new is not None or self.world.worker in due.plan.request.leaving:
             return new, consumed_samples
         return self._join_after(due.generation)
-
-    def trained(self, consumed_samples: int) -> None:
-        pass
-
-    def can_recover(self, error: BaseException) -> bool:
-        return False
-
-    def recover(self, runtime: Runtime, consumed_samples: int, error: BaseException) -> tuple[Runtime | None, int]:
-        raise error
-
-    def finish(self, consumed_samples: int | None) -> None:
-        pass
 
     def _run(self, migration: ScheduledMigration, runtime: Runtime | None) -> tuple[Runtime | None, int]:
         self.generation = migration.generation
