@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+import psutil
+
 from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.events import Event, EventError, EventFollower, Iteration, LayoutChange, Load, Save
 from megatron_parcae.training.arguments import ArgumentError, parse_args
@@ -126,6 +128,13 @@ class JobLog:
         self.iteration = self.saved_iteration
 
 
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 class _Process:
     """One child process whose output goes to a log file."""
 
@@ -147,10 +156,18 @@ class _Process:
 
     def signal(self, signum: int) -> None:
         if self.popen.poll() is None:
+            # SIGKILL is the instance going away with everything on it. torchrun starts each
+            # worker in a session of its own, out of reach of the group's signal.
+            gone_too = _descendants(self.popen.pid) if signum == signal.SIGKILL else []
             try:
                 os.killpg(self.popen.pid, signum)
             except ProcessLookupError:
                 pass
+            for child in gone_too:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)

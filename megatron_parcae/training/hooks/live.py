@@ -25,7 +25,7 @@ notice and delivers the coordinator's plans; this module applies them:
 - `finish()`: the worker that ends training records it in etcd, so standby workers and
   the coordinator exit too.
 
-WORLD is formed on an etcd-backed store under the job's prefix (etcd/store.py), so the
+WORLD is formed on an etcd-backed store under the job's prefix (control/etcd/store.py), so the
 workers need no address but etcd's.
 """
 
