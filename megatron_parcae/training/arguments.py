@@ -357,16 +357,21 @@ def stage_layers(num_layers: int, pipeline: int, first: int | None, last: int | 
 
 
 def _resolve_transformer_impl(args: argparse.Namespace) -> None:
-    """Megatron-LM's choice of layer implementation, where what it needs is installed."""
+    """Megatron-LM's choice of layer implementation, where what it needs is installed.
+    torch is imported (seconds) only where Transformer Engine is: without it the answer is
+    local whatever the device, and `parcae replay` parses flags without paying for torch."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        _check(args.transformer_impl != "transformer_engine",
+               "--transformer-impl transformer_engine: Transformer Engine is not installed "
+               "(pip install 'megatron-parcae[gpu]'), or use --transformer-impl local")
+        args.transformer_impl = "local"
+        return
     import torch
 
-    installed = importlib.util.find_spec("transformer_engine") is not None
+    on_gpu = torch.cuda.is_available()
     if args.transformer_impl is None:
-        args.transformer_impl = "transformer_engine" if installed and torch.cuda.is_available() else "local"
-    _check(args.transformer_impl == "local" or installed,
-           "--transformer-impl transformer_engine: Transformer Engine is not installed "
-           "(pip install 'megatron-parcae[gpu]'), or use --transformer-impl local")
-    _check(args.transformer_impl == "local" or torch.cuda.is_available(),
+        args.transformer_impl = "transformer_engine" if on_gpu else "local"
+    _check(args.transformer_impl == "local" or on_gpu,
            "--transformer-impl transformer_engine needs a GPU; use --transformer-impl local")
 
 
