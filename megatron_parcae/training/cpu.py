@@ -24,6 +24,12 @@ denormal floats in CPU matmuls            flushed to zero (``torch.set_flush_den
                                            layout flushes alike, so results still agree
 fused kernels, gradient accumulation       switched off in the model config
 fusion, ``use_cpu_initialization``         (``megatron_parcae.training.models``), not here
+``jit_fuser = torch.compile`` on the fused  ``import_megatron_core()`` imports megatron-core
+kernels at import (megatron.core.jit)      with ``torch.compile`` passing functions through,
+                                           then keeps megatron's own ``disable_jit_fuser``:
+                                           the kernels are off on CPU, and compiling them
+                                           loads dynamo and inductor, about 2 s of every
+                                           process's start
 =========================================  =============================================
 
 ``enable_cpu_support()`` does all of this once per process and does nothing when CUDA is
@@ -34,6 +40,7 @@ CPU training step (docs/megatron-core.md).
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -112,6 +119,30 @@ class CpuRNGStatesTracker:
         finally:
             self.states_[name] = torch.get_rng_state()
             torch.set_rng_state(saved)
+
+
+def import_megatron_core() -> None:
+    """Import megatron-core; on CPU without torch.compile-decorating its fused kernels.
+
+    ``megatron.core.jit.disable_jit_fuser`` alone comes too late: the package's
+    ``__init__`` imports the kernels, decorated, before it can be called.
+    """
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        import megatron.core  # noqa: F401
+
+        return
+    compile_ = torch.compile
+    torch.compile = _pass_through
+    try:
+        import megatron.core.jit
+
+        megatron.core.jit.disable_jit_fuser()
+    finally:
+        torch.compile = compile_
+
+
+def _pass_through(model=None, **options):
+    return (lambda fn: fn) if model is None else model
 
 
 def enable_cpu_support() -> bool:

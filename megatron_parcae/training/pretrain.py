@@ -28,6 +28,9 @@ def pretrain(model: str, argv: list[str] | None = None) -> int:
         except (ValueError, EtcdError) as exc:
             print(f"{prog}: error: --parcae-etcd {args.parcae_etcd}: {exc}", file=sys.stderr, flush=True)
             return 1
+    from megatron_parcae.training.cpu import import_megatron_core
+
+    import_megatron_core()
     from megatron_parcae.training.loop import run_training
 
     return run_training(args, prog, client)
