@@ -36,6 +36,7 @@ from reconfig.layout import (
     require_fields,
     require_int,
 )
+from reconfig.placement import ONE_GPU, Placement
 
 PARAMS_AND_OPTIMIZER = "params+optimizer"
 PARAMS = "params"
@@ -87,10 +88,13 @@ class MigrationRequest:
     leaving: frozenset[int]  # may send during their grace period, then exit
     joining: frozenset[int]
     distributed_optimizer: bool = False
+    placement: Placement = ONE_GPU  # instances of the workers: blocks of ranks stay on one
 
     def __post_init__(self) -> None:
         if not isinstance(self.old, Layout):
             raise ValueError(f"request.old: expected a Layout, got {type(self.old).__name__}")
+        if not isinstance(self.placement, Placement):
+            raise ValueError(f"request.placement: expected a Placement, got {type(self.placement).__name__}")
         for name in ("survivors", "leaving", "joining"):
             object.__setattr__(self, name, _worker_set(f"request.{name}", getattr(self, name)))
         if not isinstance(self.distributed_optimizer, bool):
@@ -118,13 +122,14 @@ class MigrationRequest:
 
     def to_dict(self) -> dict[str, Any]:
         return {"old": self.old.to_dict(), "survivors": sorted(self.survivors), "leaving": sorted(self.leaving),
-                "joining": sorted(self.joining), "distributed_optimizer": self.distributed_optimizer}
+                "joining": sorted(self.joining), "distributed_optimizer": self.distributed_optimizer,
+                "placement": self.placement.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Any) -> MigrationRequest:
-        require_fields("request", d, {"old", "survivors", "leaving", "joining", "distributed_optimizer"})
+        require_fields("request", d, {"old", "survivors", "leaving", "joining", "distributed_optimizer", "placement"})
         return cls(Layout.from_dict(d["old"]), d["survivors"], d["leaving"], d["joining"],
-                   d["distributed_optimizer"])
+                   d["distributed_optimizer"], Placement.from_dict(d["placement"]))
 
 
 Range = tuple[Fraction, Fraction]
@@ -238,6 +243,7 @@ def _check_workers(request: MigrationRequest, new: Layout) -> None:
     unavailable = new.workers - request.available
     if unavailable:
         raise ValueError(f"new layout: worker(s) {sorted(unavailable)} are neither survivors nor joining")
+    request.placement.check(new)
 
 
 @dataclass(frozen=True)
@@ -434,28 +440,31 @@ class _Migration:
 
 
 class _SenderPicker:
-    """Least-loaded live holder, survivors before leaving workers (whose time is short)."""
+    """Least-loaded live holder, on the receiver's instance before the network, survivors
+    before leaving workers (whose time is short)."""
 
     def __init__(self, migration: _Migration):
         self.migration = migration
         self.leaving = migration.request.leaving
+        self.instance = migration.request.placement.instance
         self.load: dict[int, int] = {}
-        self.heaps: dict[tuple, list[tuple[bool, int, int]]] = {}
+        self.heaps: dict[tuple, list[tuple[bool, bool, int, int]]] = {}
 
-    def pick(self, key: tuple, nbytes: int) -> int:
-        heap = self.heaps.get(key)
+    def pick(self, key: tuple, nbytes: int, receiver: int) -> int:
+        here = self.instance(receiver)
+        heap = self.heaps.get((key, here))
         if heap is None:
-            heap = [(w in self.leaving, 0, w) for w in self.migration.holders(key)]
+            heap = [(self.instance(w) != here, w in self.leaving, 0, w) for w in self.migration.holders(key)]
             heapq.heapify(heap)
-            self.heaps[key] = heap
+            self.heaps[key, here] = heap
         while True:  # entries go stale when their worker sends for another cell
-            leaving, load, worker = heap[0]
+            remote, leaving, load, worker = heap[0]
             current = self.load.get(worker, 0)
             if load == current:
                 break
-            heapq.heapreplace(heap, (leaving, current, worker))
+            heapq.heapreplace(heap, (remote, leaving, current, worker))
         self.load[worker] = current + nbytes
-        heapq.heapreplace(heap, (leaving, current + nbytes, worker))
+        heapq.heapreplace(heap, (remote, leaving, current + nbytes, worker))
         return worker
 
 
@@ -491,7 +500,7 @@ def _list_transfers(migration: _Migration, new: Layout) -> MigrationPlan:
         if classes not in pieces:
             pieces[classes] = migration.pieces(*classes)
         for p in pieces[classes]:
-            transfers.append(Transfer(picker.pick(p.holder_key, p.nbytes), dst, p.unit, p.state,
+            transfers.append(Transfer(picker.pick(p.holder_key, p.nbytes, dst), dst, p.unit, p.state,
                                       None if p.split is None else _fractions(ranges, p.split, p.split_grid),
                                       _fractions(ranges, p.shard, p.shard_grid), p.replicated, p.nbytes))
     return MigrationPlan(request, new, tuple(transfers), _classify(request.old, new, transfers),
@@ -525,15 +534,68 @@ def plan_migration(request: MigrationRequest, target: Parallelism, shape: ModelS
     migration = _Migration(request, target, shape)
     migration.check_not_lost()
     candidates = sorted(request.survivors) + sorted(request.joining)
-    row_class = np.array([migration.old_class(w) for w in candidates])
-    cost = migration.class_costs()[row_class[:, None], migration.new_classes()[None, :]]
-    old_rank = np.array([request.old.rank_of(w) if w in request.survivors else -1 for w in candidates])
-    tie_break = np.where(old_rank < 0, 2.0, 1.0)[:, None] - (old_rank[:, None] == np.arange(target.world_size))
+    if request.placement.gpus_per_instance == 1:
+        slots = _match(migration, candidates, range(target.world_size))
+    else:
+        slots = _match_blocks(migration, candidates)
+    return _list_transfers(migration, Layout(target, tuple(slots[r] for r in range(target.world_size))))
+
+
+def _match(migration: _Migration, workers: list[int], ranks: range) -> dict[int, int]:
+    """rank -> worker: the min-cost matching of `workers` to `ranks` of the new layout."""
     # Imported here: scipy.optimize costs every process that parses arguments 0.6 s.
     from scipy.optimize import linear_sum_assignment
 
+    request = migration.request
+    row_class = np.array([migration.old_class(w) for w in workers])
+    cost = migration.class_costs()[row_class[:, None], migration.new_classes()[None, ranks.start:ranks.stop]]
+    old_rank = np.array([request.old.rank_of(w) if w in request.survivors else -1 for w in workers])
+    tie_break = np.where(old_rank < 0, 2.0, 1.0)[:, None] - (old_rank[:, None] == np.arange(ranks.start, ranks.stop))
     rows, cols = linear_sum_assignment(cost * 4.0 + tie_break)
-    slots = [0] * target.world_size
-    for r, c in zip(rows, cols):
-        slots[c] = candidates[r]
-    return _list_transfers(migration, Layout(target, tuple(slots)))
+    return {ranks.start + c: workers[r] for r, c in zip(rows, cols)}
+
+
+def _match_blocks(migration: _Migration, candidates: list[int]) -> dict[int, int]:
+    """rank -> worker with every placement block on one instance: instances are matched to
+    blocks by the bytes their workers would receive (priced per pattern of old and new
+    classes, so a thousand instances cost no more than a few patterns), then each chosen
+    instance's workers to its block's ranks."""
+    from scipy.optimize import linear_sum_assignment
+
+    request, placement = migration.request, migration.request.placement
+    if not placement.fits(migration.new):
+        raise ValueError(f"tensor-parallel size {migration.new.tp} does not divide the "
+                         f"{placement.gpus_per_instance} GPUs of an instance")
+    instances = list(placement.instances(candidates).values())
+    blocks = placement.blocks(migration.new.world_size)
+    if len(instances) < len(blocks):
+        raise ValueError(f"target needs {len(blocks)} instances, only {len(instances)} are available")
+    class_costs, new_classes = migration.class_costs(), migration.new_classes()
+    patterns: dict[tuple, float] = {}
+
+    def bytes_needed(workers: list[int], block: range) -> float:
+        old = tuple(sorted(migration.old_class(w) for w in workers))
+        new = tuple(sorted(int(c) for c in new_classes[block.start:block.stop]))
+        key = (old, new)
+        if key not in patterns:
+            sub = class_costs[np.array(old)[:, None], np.array(new)[None, :]]
+            rows, cols = linear_sum_assignment(sub)
+            patterns[key] = float(sub[rows, cols].sum())
+        return patterns[key]
+
+    unfit = float(class_costs.sum() * migration.new.world_size + 1.0) * 4.0 + 4.0 * len(candidates)
+    cost = np.full((len(instances), len(blocks)), unfit)
+    for i, workers in enumerate(instances):
+        old_blocks = [placement.block(request.old.rank_of(w)) if w in request.survivors else -1 for w in workers]
+        newcomer = 2.0 * sum(b < 0 for b in old_blocks) + sum(b >= 0 for b in old_blocks)
+        for b, block in enumerate(blocks):
+            if len(workers) >= len(block):
+                cost[i, b] = bytes_needed(workers, block) * 4.0 + newcomer - old_blocks.count(b)
+    rows, cols = linear_sum_assignment(cost)
+    if (cost[rows, cols] >= unfit).any():
+        raise ValueError(f"target needs {len(blocks)} instances with up to {placement.gpus_per_instance} "
+                         f"live workers each; the available instances do not have them")
+    slots: dict[int, int] = {}
+    for i, b in zip(rows, cols):
+        slots.update(_match(migration, instances[i], blocks[b]))
+    return slots

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reconfig.layout import Layout, ModelShape, Parallelism
+from reconfig.placement import Placement
 from reconfig.plan import (
     OPTIMIZER,
     PARAMS,
@@ -401,3 +402,84 @@ def test_transfer_must_send_something() -> None:
     data = sample_plan().transfers[0].to_dict()
     with pytest.raises(ValueError, match="transfer: sends neither split nor replicated params"):
         Transfer.from_dict({**data, "split_range": None, "replicated": False})
+
+
+# -- instances of several GPUs -------------------------------------------------------
+
+def on_instances(*instances: tuple[int, ...]) -> Placement:
+    """Instances of two GPUs named a, b, c, ... holding the given workers."""
+    return Placement(2, {w: "abcdefgh"[i] for i, workers in enumerate(instances) for w in workers})
+
+
+def blocks_of(plan: MigrationPlan) -> list[set[str]]:
+    placement = plan.request.placement
+    return [{placement.instance(plan.new.slots[r]) for r in block}
+            for block in placement.blocks(plan.new.parallelism.world_size)]
+
+
+def test_an_instance_preempted_with_notice_hands_its_block_to_an_arriving_instance() -> None:
+    old = grid(2, 2, 1)  # ranks 0-1 (stage 0) on instance a, ranks 2-3 (stage 1) on b
+    placement = on_instances((0, 1), (2, 3), (4, 5))
+    request = MigrationRequest(old, frozenset({0, 1}), frozenset({2, 3}), frozenset({4, 5}), placement=placement)
+    plan = plan_migration(request, old.parallelism, GPT)
+    check_plan(plan, GPT)
+    assert plan.new.slots[:2] == (0, 1) and set(plan.new.slots[2:]) == {4, 5}
+    assert blocks_of(plan) == [{"a"}, {"c"}]
+    assert plan.uses_grace_period and {t.src for t in plan.transfers if t.unit.startswith("layer")} == {2, 3}
+
+
+def test_tensor_parallel_groups_never_cross_an_instance() -> None:
+    old = grid(1, 1, 4)
+    placement = on_instances((0, 2), (1, 3))  # worker ids interleaved over the instances
+    request = MigrationRequest(old, old.workers, frozenset(), frozenset(), placement=placement)
+    plan = plan_migration(request, Parallelism.even(4, 2, 1, 2), GPT)
+    check_plan(plan, GPT)
+    assert blocks_of(plan) == [{"a"}, {"b"}] or blocks_of(plan) == [{"b"}, {"a"}]
+    with pytest.raises(ValueError, match="tensor-parallel size 4 does not divide the 2 GPUs of an instance"):
+        plan_migration(request, Parallelism.even(4, 4, 1, 1), GPT)
+
+
+def test_a_block_needs_an_instance_with_enough_workers() -> None:
+    old = grid(1, 1, 4)
+    placement = on_instances((0, 1), (2,), (3,))  # b and c each lost a worker without notice
+    request = MigrationRequest(old, old.workers, frozenset(), frozenset(), placement=placement)
+    assert blocks_of(plan_migration(request, Parallelism.even(4, 1, 1, 3), GPT))[0] == {"a"}
+    with pytest.raises(ValueError, match="needs 2 instances with up to 2 live workers each"):
+        plan_migration(request, Parallelism.even(4, 2, 1, 2), GPT)
+
+
+def test_senders_on_the_receivers_instance_come_first() -> None:
+    old = grid(2, 1, 2)  # replica 0 (TP halves) on instance a, replica 1 on b
+    placement = on_instances((0, 1), (2, 3))
+    request = MigrationRequest(old, old.workers, frozenset(), frozenset(), placement=placement)
+    plan = plan_migration(request, Parallelism.even(4, 1, 1, 4), GPT)  # everyone needs the other half
+    check_plan(plan, GPT)
+    assert plan.transfers
+    assert all(placement.instance(t.src) == placement.instance(t.dst) for t in plan.transfers)
+
+
+def test_placement_is_validated_and_travels_with_the_plan() -> None:
+    with pytest.raises(ValueError, match=r"instance\(s\) a run more than 2 workers"):
+        Placement(2, {0: "a", 1: "a", 2: "a"})
+    with pytest.raises(ValueError, match="placement.gpus_per_instance: must be >= 1"):
+        Placement(0)
+    old = grid(2, 2, 1)
+    placement = on_instances((0, 1), (2, 3), (4, 5))
+    request = MigrationRequest(old, frozenset({0, 1}), frozenset({2, 3}), frozenset({4, 5}), placement=placement)
+    plan = plan_migration(request, old.parallelism, GPT)
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert MigrationPlan.from_dict(data) == plan
+    data["new"]["slots"] = [0, 4, 1, 5]  # blocks split over instances
+    with pytest.raises(ValueError, match=r"ranks 0-1 are placed on several instances \(a, c\)"):
+        MigrationPlan.from_dict(data)
+    data["request"]["placement"]["instances"] = {"x": "a"}
+    with pytest.raises(ValueError, match="placement.instances: key 'x' is not a worker id"):
+        MigrationPlan.from_dict(data)
+
+
+def test_fresh_layouts_are_placed_a_block_per_instance() -> None:
+    placement = on_instances((0, 1), (2,), (3, 4))
+    assert placement.assign(Parallelism.even(4, 2, 1, 2), [0, 1, 2, 3, 4]) == (0, 1, 3, 4)
+    assert placement.assign(Parallelism.even(4, 1, 1, 5), [0, 1, 2, 3, 4]) == (0, 1, 3, 4, 2)
+    with pytest.raises(ValueError, match="needs 3 instances"):
+        placement.assign(Parallelism.even(4, 2, 1, 3), [0, 1, 2, 3, 4])

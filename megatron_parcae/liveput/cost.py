@@ -24,10 +24,15 @@ planner's `MigrationPlan` says who moves which bytes, and the time is
   chunk. A joining worker (standby or new) is idle: it builds as soon as the plan is
   published, while the old layout trains on, unless some worker was lost without
   notice (then nothing trains until the new layout runs, and its build counts);
-- state transfer: each worker's NIC carries what it sends and what it receives (full
-  duplex); the busiest NIC's bytes, through the measured p2p table, set the time.
-  Receivers take the bytes into staging buffers while they build their chunk, so build
-  and transfer overlap: the longer of the two counts.
+- state transfer: a byte between two instances crosses the network, where each
+  instance's NIC carries what its workers send and what they receive (full duplex),
+  timed by the measured p2p table (`p2p_bytes_to_microseconds`); a byte between two
+  workers of one instance (the plan's `placement` says which) crosses the instance's own
+  GPU links (NVLink or PCIe), `intra_instance_bytes_per_second` for what each worker
+  sends and for what it receives. Both kinds run side by side: the busiest NIC or GPU
+  link sets the time. With one GPU per instance every byte takes the network. Receivers
+  take the bytes into staging buffers while they build their chunk, so build and
+  transfer overlap: the longer of the two counts.
 No process restarts, no checkpoint is read: an intra-stage change (a survivor takes a
 lost rank's place, or D shrinks) costs only the world and its groups.
 
@@ -85,6 +90,7 @@ class CostConstants:
     model_build_seconds_per_param: float
     checkpoint_save_load_seconds: float
     grace_period_seconds: float
+    intra_instance_bytes_per_second: float  # between two GPUs of one instance
     models: dict[str, ModelShape]
 
     @classmethod
@@ -109,6 +115,11 @@ class CostConstants:
             values[name] = float(value)
         if values["interval_seconds"] <= 0:
             raise CostConstantsError(f"{where}: interval_seconds must be positive")
+        intra = data.get("intra_instance_bytes_per_second")
+        if isinstance(intra, bool) or not isinstance(intra, (int, float)) or not (math.isfinite(intra) and intra > 0):
+            raise CostConstantsError(f"{where}: intra_instance_bytes_per_second: expected a positive number, "
+                                     f"got {intra!r}")
+        values["intra_instance_bytes_per_second"] = float(intra)
         table = data.get("p2p_bytes_to_microseconds")
         if not isinstance(table, dict) or not table:
             raise CostConstantsError(f"{where}: p2p_bytes_to_microseconds: expected an object of size -> microseconds")
@@ -139,9 +150,13 @@ class CostConstants:
             known = ", ".join(sorted(self.models)) or "none"
             raise CostConstantsError(f"no model shape named {name!r} in the cost constants (known: {known})") from None
 
+    def intra_instance_seconds(self, nbytes: float) -> float:
+        """Time to move `nbytes` between two GPUs of one instance."""
+        return nbytes / self.intra_instance_bytes_per_second
+
     def transfer_seconds(self, nbytes: float) -> float:
-        """Time of one point-to-point message of `nbytes`: the measured table, interpolated
-        linearly between sizes, scaled linearly beyond its largest size."""
+        """Time of one point-to-point message of `nbytes` between instances: the measured
+        table, interpolated linearly between sizes, scaled linearly beyond its largest size."""
         if nbytes <= 0:
             return 0.0
         sizes, times = self.p2p_bytes, self.p2p_seconds
@@ -230,15 +245,9 @@ class MigrationCostModel:
         c, old, new = self.constants, plan.request.old, plan.new
         if new == old:
             return NO_COST
-        sent: dict[int, int] = {}
-        received: dict[int, int] = {}
-        for t in plan.transfers:
-            sent[t.src] = sent.get(t.src, 0) + t.nbytes
-            received[t.dst] = received.get(t.dst, 0) + t.nbytes
-        leaving_bytes = max((sent.get(w, 0) for w in plan.request.leaving), default=0)
-        if c.transfer_seconds(leaving_bytes) > c.grace_period_seconds:
+        transfer, leaving = self._transfer_seconds(plan)
+        if leaving > c.grace_period_seconds:
             return self.restart_cost(new.parallelism, joining=bool(new.workers - old.workers))
-        busiest = max(max(sent.values(), default=0), max(received.values(), default=0))
         workers = old.workers
         old_rank = np.array([old.rank_of(w) if w in workers else -1 for w in new.slots])
         joined = old_rank < 0
@@ -249,7 +258,26 @@ class MigrationCostModel:
         stages = np.arange(new.parallelism.world_size) // (new.tp * new.dp)
         build = max((self.layer_params(new.parallelism, int(s)) for s in np.unique(stages[rebuilds])), default=0.0)
         return MigrationCost(c.world_init_seconds, self.groups_seconds(new.parallelism, joined),
-                             build * c.model_build_seconds_per_param, c.transfer_seconds(busiest))
+                             build * c.model_build_seconds_per_param, transfer)
+
+    def _transfer_seconds(self, plan: MigrationPlan) -> tuple[float, float]:
+        """(seconds until every byte of `plan` has arrived, seconds until the leaving
+        workers' bytes are out: their grace period must cover it). Bytes between instances
+        load the NICs of both instances, bytes inside one the GPU links of both workers."""
+        c, instance = self.constants, plan.request.placement.instance
+        network: dict[tuple[str, bool], int] = {}  # (instance, sends) -> bytes through its NIC
+        local: dict[tuple[int, bool], int] = {}  # (worker, sends) -> bytes over its instance's GPU links
+        for (src, dst), nbytes in plan.bytes_by_link().items():
+            here, there = instance(src), instance(dst)
+            load, ends = (local, (src, dst)) if here == there else (network, (here, there))
+            load[ends[0], True] = load.get((ends[0], True), 0) + nbytes
+            load[ends[1], False] = load.get((ends[1], False), 0) + nbytes
+        busiest = max(c.transfer_seconds(max(network.values(), default=0)),
+                      c.intra_instance_seconds(max(local.values(), default=0)))
+        leaving = max((max(c.transfer_seconds(network.get((instance(w), True), 0)),
+                           c.intra_instance_seconds(local.get((w, True), 0))) for w in plan.request.leaving),
+                      default=0.0)
+        return busiest, leaving
 
     def _rebuilds(self, old: Parallelism, new: Parallelism, old_rank: np.ndarray) -> np.ndarray:
         """Per new rank: whether its worker builds a model chunk (it joins, or its stage's

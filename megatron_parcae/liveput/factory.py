@@ -4,7 +4,8 @@ cost model -> optimizer.
 The live coordinator (and so the spot emulator, which runs it), `parcae simulate` and
 `parcae plan` all build here, so a simulated job decides as a live one would: the same
 throughput model, the same migration pricing and the same planner settings (whether the
-job shards its optimizer state decides which moments a plan moves, hence its cost).
+job shards its optimizer state decides which moments a plan moves, hence its cost; how
+many GPUs an instance has decides which layouts fit and what a preemption takes).
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ from pathlib import Path
 
 from megatron_parcae.liveput.cost import CostConstants, MigrationCostModel
 from megatron_parcae.liveput.optimizer import LiveputOptimizer
-from megatron_parcae.liveput.throughput import ThroughputModel, load_profile
+from megatron_parcae.liveput.throughput import OnInstances, ThroughputModel, load_profile
 
 
 @dataclass(frozen=True)
 class LiveputStack:
     """A job's throughput and migration cost models, and how its optimizer plans."""
 
-    throughput: ThroughputModel
+    throughput: ThroughputModel  # layouts whose TP groups fit in an instance only
     costs: MigrationCostModel
     lookahead: int  # intervals the optimizer plans over
     distributed_optimizer: bool  # the job trains with --use-distributed-optimizer
+    gpus_per_instance: int  # G: workers per instance, the unit that is preempted and counted
 
     @property
     def constants(self) -> CostConstants:
@@ -33,16 +35,19 @@ class LiveputStack:
     def optimizer(self) -> LiveputOptimizer:
         """A new optimizer; it caches plans and costs, so keep one per job or simulated run."""
         return LiveputOptimizer(self.throughput, self.costs, self.lookahead,
-                                distributed_optimizer=self.distributed_optimizer)
+                                distributed_optimizer=self.distributed_optimizer,
+                                gpus_per_instance=self.gpus_per_instance)
 
 
 def build_liveput(profile: str | Path | ThroughputModel, constants: CostConstants, *, lookahead: int,
-                  distributed_optimizer: bool, model: str | None = None,
-                  max_workers: int | None = None) -> LiveputStack:
+                  distributed_optimizer: bool, model: str | None = None, max_workers: int | None = None,
+                  gpus_per_instance: int = 1) -> LiveputStack:
     """The stack for `profile`: a throughput model, or a file `load_profile` reads (a CSV
     table takes its shape from `constants` under `model`; a layer profile enumerates
-    layouts on up to `max_workers` workers)."""
+    layouts on up to `max_workers` workers), on instances of `gpus_per_instance` GPUs:
+    only layouts whose T divides it are kept (ProfileError when none is)."""
     throughput = profile if isinstance(profile, ThroughputModel) else \
         load_profile(profile, constants.models, model, max_workers)
+    throughput = OnInstances(throughput, gpus_per_instance)
     return LiveputStack(throughput, MigrationCostModel(constants, throughput.model_shape), lookahead,
-                        distributed_optimizer)
+                        distributed_optimizer, gpus_per_instance)

@@ -1,9 +1,13 @@
 """The liveput optimizer: which layout to run now, looking a few intervals ahead.
 
 One entry point serves every caller (live coordinator, spot emulator, simulator):
-`LiveputOptimizer.decide(current, available, forecast, leaving, busy_seconds)` runs at
-an interval boundary, once the boundary's preemptions and arrivals are known, and
-returns the layout to run in the coming interval with the plan that gets there.
+`LiveputOptimizer.decide(current, available, forecast, leaving, busy_seconds, placement)`
+runs at an interval boundary, once the boundary's preemptions and arrivals are known,
+and returns the layout to run in the coming interval with the plan that gets there.
+
+Availability comes in instances of G GPUs (one worker each): forecasts and preemptions
+count instances, a layout runs its ranks in blocks of G to an instance (so its T divides
+G), and n instances hold layouts of up to n x G workers.
 
 It solves a dynamic program over the next `horizon` intervals (this one included):
 states are layouts, a transition is a layout change at an interval start, and the value
@@ -35,6 +39,7 @@ from megatron_parcae.liveput.cost import NO_COST, MigrationCost, MigrationCostMo
 from megatron_parcae.liveput.scenarios import ScenarioCosts, StepOutlook, preemption_distribution
 from megatron_parcae.liveput.throughput import ThroughputModel
 from reconfig.layout import Layout, Parallelism
+from reconfig.placement import ONE_GPU, Placement
 from reconfig.plan import LostStateError, MigrationPlan, MigrationRequest, plan_migration
 
 if TYPE_CHECKING:
@@ -96,14 +101,19 @@ class LiveputOptimizer:
     """
 
     def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel, horizon: int, candidates: int = 4,
-                 distributed_optimizer: bool = False):
+                 distributed_optimizer: bool = False, gpus_per_instance: int = 1):
         if horizon < 1:
             raise ValueError(f"horizon must be at least 1 interval, got {horizon}")
         if candidates < 1:
             raise ValueError(f"candidates must be at least 1, got {candidates}")
+        crossing = sorted({p.tp for p in throughput.layouts() if gpus_per_instance % p.tp})
+        if crossing:
+            raise ValueError(f"tensor-parallel size(s) {crossing} of the throughput model do not divide the "
+                             f"{gpus_per_instance} GPUs of an instance (build it with build_liveput)")
         self.throughput = throughput
         self.costs = costs
-        self.scenarios = ScenarioCosts(throughput, costs)
+        self.gpus_per_instance = gpus_per_instance
+        self.scenarios = ScenarioCosts(throughput, costs, gpus_per_instance)
         self.horizon = horizon
         self.candidates = candidates
         self.distributed_optimizer = distributed_optimizer  # the job's: it decides which moments a plan moves
@@ -117,16 +127,24 @@ class LiveputOptimizer:
         self._preempted: dict[tuple[int, int, int, int], float] = {}
 
     def top_layouts(self, instances: int) -> tuple[Parallelism, ...]:
-        """The `candidates` highest-throughput layouts that fit `instances`."""
-        return tuple(self._layouts[i] for i in self._top_indices(instances))
+        """The `candidates` highest-throughput layouts that fit `instances` whole instances."""
+        return tuple(self._layouts[i] for i in self._top_indices(instances * self.gpus_per_instance))
 
-    def _top_indices(self, instances: int) -> tuple[int, ...]:
-        found = self._top.get(instances)
+    def _top_indices(self, workers: int) -> tuple[int, ...]:
+        found = self._top.get(workers)
         if found is None:
-            fits = [self._index[p] for p in self.throughput.fitting(instances)]
+            fits = [self._index[p] for p in self.throughput.fitting(workers)]
             fits.sort(key=lambda i: (-self._rate[i], self._layouts[i].world_size))
-            found = self._top[instances] = tuple(fits[:self.candidates])
+            found = self._top[workers] = tuple(fits[:self.candidates])
         return found
+
+    def _capacity(self, placement: Placement, available: frozenset[int]) -> tuple[int, int]:
+        """(instances, most workers a layout can have) of `available`: ranks go to instances
+        in blocks of G, so of the instances short of G workers only one, the fullest, can
+        hold a (the last, short) block."""
+        g = self.gpus_per_instance
+        sizes = [len(workers) for workers in placement.instances(available).values()]
+        return len(sizes), g * sum(n == g for n in sizes) + max((n for n in sizes if n < g), default=0)
 
     def _floor(self, old: int, new: int) -> float:
         """scenarios.change_floor by index (old -1: from any layout)."""
@@ -152,16 +170,20 @@ class LiveputOptimizer:
 
     def decide(self, current: Layout | None, available: Collection[int],
                forecast: AvailabilityForecast | None = None, leaving: Collection[int] = (),
-               busy_seconds: float = 0.0) -> Decision:
+               busy_seconds: float = 0.0, placement: Placement = ONE_GPU) -> Decision:
         """Choose the layout for the coming interval.
 
         `current`: the running layout (None before the job starts). `available`: workers
         that can hold a slot now (current survivors, standby workers, arrivals).
         `leaving`: workers under a preemption notice (they can still send state; standby
         ones are ignored); current workers in neither set were lost without notice.
-        `forecast`: the coming intervals after this one (None: assume nothing changes).
-        `busy_seconds`: what is left of a migration still in progress.
+        `forecast`: the coming intervals after this one, in instances (None: assume
+        nothing changes). `busy_seconds`: what is left of a migration still in progress.
+        `placement`: the workers' instances, of the optimizer's G GPUs.
         """
+        if placement.gpus_per_instance != self.gpus_per_instance:
+            raise ValueError(f"the placement has {placement.gpus_per_instance} GPU(s) per instance, the optimizer "
+                             f"plans for {self.gpus_per_instance}")
         available = frozenset(available)
         leaving = frozenset() if current is None else frozenset(leaving) & current.workers - available
         lost = frozenset() if current is None else current.workers - available - leaving
@@ -181,12 +203,13 @@ class LiveputOptimizer:
                         else self.scenarios.change_floor(current.parallelism, p)), False
             return self.scenarios.change_cost(current, lost, leaving, p).seconds, True
 
-        first = set(self._top_indices(len(available)))
-        if running is not None and current.parallelism.world_size <= len(available):
+        instances, capacity = self._capacity(placement, available)
+        first = set(self._top_indices(capacity))
+        if running is not None and current.parallelism.world_size <= capacity:
             first.add(running)
-        steps = outlook(forecast, len(available), self.horizon - 1)
-        path, value = self._solve(first, start_cost, exact, busy_seconds, len(available), steps)
-        return self._realise(current, available, leaving, lost, [self._layouts[i] for i in path], value)
+        steps = outlook(forecast, instances, self.horizon - 1)
+        path, value = self._solve(first, start_cost, exact, busy_seconds, instances, steps)
+        return self._realise(current, available, leaving, lost, placement, [self._layouts[i] for i in path], value)
 
     def _solve(self, first: set[int], start_cost: Callable[[int], tuple[float, bool]], exact: set[int],
                busy: float, instances: int, steps: list[StepOutlook]) -> tuple[list[int], float]:
@@ -203,8 +226,9 @@ class LiveputOptimizer:
         rate, interval, world = self._rate, self.interval, self._layouts
         layouts = [first]
         for step in steps:
-            carried = {p for p in layouts[-1] if world[p].world_size <= step.instances}
-            layouts.append(carried | set(self._top_indices(step.instances)))
+            workers = step.instances * self.gpus_per_instance
+            carried = {p for p in layouts[-1] if world[p].world_size <= workers}
+            layouts.append(carried | set(self._top_indices(workers)))
         slowest = [0.0 if any(not later for later in layouts[j:]) else min(rate[p] for later in layouts[j:]
                                                                            for p in later)
                    for j in range(len(layouts))]
@@ -293,24 +317,25 @@ class LiveputOptimizer:
         return Decision(plan.new, plan, self.costs.plan_cost(plan), (current.parallelism,), 0.0)
 
     def _realise(self, current: Layout | None, available: frozenset[int], leaving: frozenset[int],
-                 lost: frozenset[int], path: list[Parallelism], value: float) -> Decision:
+                 lost: frozenset[int], placement: Placement, path: list[Parallelism], value: float) -> Decision:
         """Turn the first step of `path` into a layout with workers and the plan to reach it."""
         if not path:
             return Decision(None, None, NO_COST, (), 0.0)
         target = path[0]
         if current is None:
-            return Decision(Layout(target, tuple(sorted(available)[:target.world_size])), None,
+            return Decision(Layout(target, placement.assign(target, sorted(available))), None,
                             self.costs.restart_cost(target, joining=True, cold=True), tuple(path), value)
         if target == current.parallelism and not (lost or leaving):
             return Decision(current, None, NO_COST, tuple(path), value)
         survivors = current.workers & available
-        request = MigrationRequest(current, survivors, leaving, available - current.workers, self.distributed_optimizer)
+        request = MigrationRequest(current, survivors, leaving, available - current.workers, self.distributed_optimizer,
+                                   placement=placement)
         joining = target.world_size > len(survivors)
         try:
             plan = plan_migration(request, target, self.costs.shape)
         except LostStateError:
             order = sorted(survivors) + sorted(available - survivors)
-            return Decision(Layout(target, tuple(order[:target.world_size])), None,
+            return Decision(Layout(target, placement.assign(target, order)), None,
                             self.costs.restart_cost(target, joining), tuple(path), value)
         cost = self.costs.plan_cost(plan)
         return Decision(plan.new, None if cost.restart else plan, cost, tuple(path), value)

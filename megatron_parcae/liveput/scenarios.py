@@ -1,27 +1,31 @@
 """Liveput: what preemptions will probably cost a layout, from plans of the real planner.
 
 A forecast says, for each coming interval, how many instances there will be and how
-many preemptions to expect. Preempted instances are a uniform draw among those running,
-so a layout using u of n instances loses j of its slots with the hypergeometric
-probability; which slots those are decides whether the layout shrinks in place (every
+many preemptions to expect. An instance has G GPUs, one worker each, and runs a block of
+G consecutive ranks of a layout (reconfig/placement.py), so a layout of W workers uses
+u = ceil(W / G) instances. Preempted instances are a uniform draw among those running,
+so a layout using u of n instances loses j of its blocks with the hypergeometric
+probability; which blocks those are decides whether the layout shrinks in place (every
 stage keeps a replica: intra-stage), fetches a stage from a leaving instance during its
 grace period (inter-stage) or, without notice, restarts from a checkpoint. The expected
 cost of moving from one layout to another over those scenarios is what the optimizer's
 dynamic program charges; liveput is the throughput of a layout net of that expected
-cost over one interval.
+cost over one interval. With G = 1 a block is a slot.
 
 Costs of hypothetical changes come from `reconfig.plan.plan_migration` on canonical
-layouts (workers 0..u-1 in rank order, the j lost slots spread over distinct stage
-columns and pipelines, arrivals as new workers), priced by `MigrationCostModel`. Plans
-are cached by (old layout, new layout, lost slots, notice): layouts repeat from one
-decision to the next. Layouts of more than `PLAN_WORKERS_LIMIT` workers are planned with
-fewer data-parallel replicas (per-worker bytes, which set the time, do not depend on D
-when both sides scale alike); their group creation is scaled back to the full count.
+layouts (workers 0..W-1 in rank order, worker w on instance w // G, the j lost blocks
+spread over distinct stage columns and pipelines, arrivals as new instances), priced by
+`MigrationCostModel`. Plans are cached by (old layout, new layout, lost slots, notice):
+layouts repeat from one decision to the next. Layouts of more than `PLAN_WORKERS_LIMIT`
+workers are planned with fewer data-parallel replicas (per-worker bytes, which set the
+time, do not depend on D when both sides scale alike); their group creation is scaled
+back to the full count.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -30,6 +34,7 @@ import numpy as np
 from megatron_parcae.liveput.cost import MigrationCost, MigrationCostModel, group_membership
 from megatron_parcae.liveput.throughput import ThroughputModel
 from reconfig.layout import Layout, Parallelism
+from reconfig.placement import Placement
 from reconfig.plan import LostStateError, MigrationRequest, plan_migration
 
 PLAN_WORKERS_LIMIT = 64
@@ -73,11 +78,16 @@ def preemption_distribution(expected: float, at_least: int, certain: bool) -> tu
     return tuple((q / mass, k) for q, k in terms)
 
 
+def instances_used(parallelism: Parallelism, gpus_per_instance: int) -> int:
+    """Instances a layout runs on: its blocks of G ranks."""
+    return -(-parallelism.world_size // gpus_per_instance)
+
+
 @lru_cache(maxsize=65536)
 def victims_distribution(instances: int, used: int, preempted: int) -> tuple[tuple[float, int], ...]:
-    """(probability, j): j of a layout's `used` slots are among `preempted` instances
-    drawn uniformly from `instances` (hypergeometric; the least likely j, 0.1% of the
-    probability together, are left out)."""
+    """(probability, j): j of the `used` instances a layout runs on are among `preempted`
+    instances drawn uniformly from `instances` (hypergeometric; the least likely j, 0.1%
+    of the probability together, are left out)."""
     preempted = min(preempted, instances)
     total = math.comb(instances, preempted)
     terms = [(math.comb(used, j) * math.comb(instances - used, preempted - j) / total, j)
@@ -92,29 +102,86 @@ def victims_distribution(instances: int, used: int, preempted: int) -> tuple[tup
 
 
 @lru_cache(maxsize=65536)
-def wipe_probability(columns: int, replicas: int, victims: int) -> float:
-    """Probability that `victims` uniform distinct slots of a columns x replicas grid
-    include every replica of some column (inclusion-exclusion)."""
-    slots = columns * replicas
-    if victims < replicas:
-        return 0.0
-    total = math.comb(slots, victims)
-    p = 0.0
-    for i in range(1, min(columns, victims // replicas) + 1):
-        p += (-1) ** (i + 1) * math.comb(columns, i) * math.comb(slots - i * replicas, victims - i * replicas) / total
-    return min(max(p, 0.0), 1.0)
+def wipe_probability(columns: int, replicas: int, victims: int, per_block: int = 1) -> float:
+    """Probability that `victims` uniform distinct blocks include every replica of some
+    column, the slots of a columns x replicas grid cut, column after column, into blocks
+    of `per_block` (the last may be short; a block is what one preemption takes).
+
+    Blocks that hold replicas of one column only form a columns x (replicas / per_block)
+    grid: inclusion-exclusion. Otherwise a column's blocks are a run, and the subsets
+    that cover no run are counted block by block, by the length of the chosen run they
+    end with."""
+    if replicas % per_block == 0:
+        replicas //= per_block
+        slots = columns * replicas
+        if victims < replicas:
+            return 0.0
+        total = math.comb(slots, victims)
+        p = 0.0
+        for i in range(1, min(columns, victims // replicas) + 1):
+            p += (-1) ** (i + 1) * math.comb(columns, i) * math.comb(slots - i * replicas,
+                                                                     victims - i * replicas) / total
+        return min(max(p, 0.0), 1.0)
+    blocks = -(-columns * replicas // per_block)
+    shortest: dict[int, int] = {}  # last block of a column -> fewest blocks of a column ending there
+    for c in range(columns):
+        first, last = c * replicas // per_block, ((c + 1) * replicas - 1) // per_block
+        shortest[last] = min(shortest.get(last, blocks), last - first + 1)
+    longest = max(shortest.values())
+    ways = {(0, 0): 1}  # (blocks chosen, chosen run at the end, capped) -> subsets covering no column
+    for b in range(blocks):
+        following: dict[tuple[int, int], int] = {}
+        for (chosen, run), n in ways.items():
+            following[chosen, 0] = following.get((chosen, 0), 0) + n
+            if chosen < victims:
+                key = (chosen + 1, min(run + 1, longest))
+                following[key] = following.get(key, 0) + n
+        limit = shortest.get(b, longest + 1)
+        ways = {key: n for key, n in following.items() if key[1] < limit}
+    total = math.comb(blocks, victims)
+    return (total - sum(n for (chosen, _), n in ways.items() if chosen == victims)) / total
 
 
-def spread_victims(parallelism: Parallelism, count: int) -> tuple[int, ...]:
-    """Ranks of `count` lost slots, spread over distinct (stage, tp) columns and pipelines."""
+@lru_cache(maxsize=4096)
+def spread_order(parallelism: Parallelism, gpus_per_instance: int) -> tuple[int, ...]:
+    """Every block of `parallelism`, in the order canonical preemptions take them: its
+    tensor-parallel groups (T divides G: each lies in one block) walked over distinct
+    stages and pipelines, a block when its first group comes up (with G = 1, the ranks)."""
     T, P, D = parallelism.tp, parallelism.pp, parallelism.dp
-    columns = T * P
-    ranks = []
-    for i in range(count):
-        column, round_ = i % columns, i // columns
-        stage, tp = divmod(column, T)
-        ranks.append(tp + T * ((round_ + column) % D + D * stage))
-    return tuple(sorted(ranks))
+    order: dict[int, None] = {}
+    for i in range(P * D):
+        stage, round_ = i % P, i // P
+        order.setdefault(T * ((round_ + stage) % D + D * stage) // gpus_per_instance)
+    return tuple(order)
+
+
+def spread_victims(parallelism: Parallelism, count: int, gpus_per_instance: int = 1) -> tuple[int, ...]:
+    """Ranks of `count` lost instances (blocks of G ranks), spread over distinct stages
+    and pipelines."""
+    lost = set(spread_order(parallelism, gpus_per_instance)[:count])
+    return tuple(r for r in range(parallelism.world_size) if r // gpus_per_instance in lost)
+
+
+@lru_cache(maxsize=4096)
+def survivable(parallelism: Parallelism, gpus_per_instance: int) -> int:
+    """How many blocks can go, in spread order, with every (stage, tp) column keeping a
+    replica; every block when not even one can."""
+    T, P, D = parallelism.tp, parallelism.pp, parallelism.dp
+    columns = [frozenset((t + T * (d + D * p)) // gpus_per_instance for d in range(D))
+               for p in range(P) for t in range(T)]
+    order = spread_order(parallelism, gpus_per_instance)
+    lost: set[int] = set()
+    for count, block in enumerate(order):
+        lost.add(block)
+        if any(column <= lost for column in columns):
+            return count or len(order)
+    return len(order)
+
+
+@lru_cache(maxsize=256)
+def canonical_placement(gpus_per_instance: int, workers: int) -> Placement:
+    """Workers 0..workers-1 on instances of G, in id order: a canonical layout's blocks."""
+    return Placement(gpus_per_instance, {w: str(w // gpus_per_instance) for w in range(workers)})
 
 
 def _reduced(p: Parallelism, dp: int) -> Parallelism:
@@ -122,11 +189,13 @@ def _reduced(p: Parallelism, dp: int) -> Parallelism:
 
 
 class ScenarioCosts:
-    """Expected seconds of layout changes over preemption scenarios, with a plan cache."""
+    """Expected seconds of layout changes over preemption scenarios, with a plan cache,
+    for layouts whose T divides G (see throughput.OnInstances)."""
 
-    def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel):
+    def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel, gpus_per_instance: int = 1):
         self.throughput = throughput
         self.costs = costs
+        self.gpus_per_instance = gpus_per_instance
         self.interval = costs.constants.interval_seconds
         self._with_notice = costs.constants.grace_period_seconds > 0
         self._cache: dict[tuple, MigrationCost] = {}
@@ -137,11 +206,12 @@ class ScenarioCosts:
     def change_cost(self, old: Layout, lost: frozenset[int], leaving: frozenset[int],
                     target: Parallelism) -> MigrationCost:
         """Cost of moving `old` (minus `lost` and `leaving` workers) to `target`, with as many
-        fresh workers as it needs. Cached by the slots lost, so it holds for any worker ids;
-        above the plan size limit, leaving workers are taken as spread out."""
+        fresh instances as it needs. Cached by the slots lost, so it holds for any worker
+        ids; above the plan size limit, leaving instances are taken as spread out."""
         if not lost and (not leaving or self._with_notice) and \
                 max(old.parallelism.world_size, target.world_size) > PLAN_WORKERS_LIMIT:
-            return self._canonical_cost(old.parallelism, target, len(leaving))
+            blocks = {old.rank_of(w) // self.gpus_per_instance for w in leaving}
+            return self._canonical_cost(old.parallelism, target, len(blocks))
         lost_ranks = frozenset(old.rank_of(w) for w in lost)
         leaving_ranks = frozenset(old.rank_of(w) for w in leaving)
         if not lost_ranks and not leaving_ranks:
@@ -154,19 +224,29 @@ class ScenarioCosts:
 
     def _plan_cost(self, old: Parallelism, lost_ranks: frozenset[int], leaving_ranks: frozenset[int],
                    target: Parallelism) -> MigrationCost:
+        """Cost of `old` on canonical workers (worker = rank, instance = rank // G) to
+        `target`. The spare GPUs of the last instance wait as standbys unless a rank of it
+        went; fresh instances arrive for what the workers left cannot hold in blocks."""
+        g = self.gpus_per_instance
+        used = instances_used(old, g)
         layout = Layout(old, tuple(range(old.world_size)))
         survivors = frozenset(range(old.world_size)) - lost_ranks - leaving_ranks
-        needed = max(0, target.world_size - len(survivors))
-        joining = frozenset(range(old.world_size, old.world_size + needed))
-        request = MigrationRequest(layout, survivors, frozenset(leaving_ranks), joining)
+        gone = {r // g for r in lost_ranks | leaving_ranks}
+        spares = frozenset() if used - 1 in gone else frozenset(range(old.world_size, used * g))
+        sizes = Counter(w // g for w in survivors | spares).values()
+        capacity = g * sum(n == g for n in sizes) + max((n for n in sizes if n < g), default=0)
+        fresh = max(0, -(-(target.world_size - capacity) // g))
+        joining = spares | frozenset(range(used * g, (used + fresh) * g))
+        request = MigrationRequest(layout, survivors, frozenset(leaving_ranks), joining,
+                                   placement=canonical_placement(g, (used + fresh) * g))
         try:
             plan = plan_migration(request, target, self.costs.shape)
         except LostStateError:
-            return self.costs.restart_cost(target, joining=bool(joining))
+            return self.costs.restart_cost(target, joining=target.world_size > len(survivors))
         return self.costs.plan_cost(plan)
 
     def _canonical_cost(self, old: Parallelism, new: Parallelism, victims: int) -> MigrationCost:
-        """Cost of old -> new when `victims` of old's slots are preempted (spread out)."""
+        """Cost of old -> new when `victims` of old's instances are preempted (spread out)."""
         full_key = ("full", old, new, victims)
         cost = self._cache.get(full_key)
         if cost is not None:
@@ -177,12 +257,13 @@ class ScenarioCosts:
             small_old = _reduced(old, max(min(old.dp, 2), round(old.dp * scale)))
             small_new = _reduced(new, max(min(new.dp, 2), round(new.dp * scale)))
             if victims:
-                small_victims = min(max(1, round(victims * small_old.world_size / old.world_size)),
-                                    small_old.tp * small_old.pp * max(1, small_old.dp - 1))
+                g = self.gpus_per_instance
+                small_victims = min(max(1, round(victims * instances_used(small_old, g) / instances_used(old, g))),
+                                    survivable(small_old, g))
         key = ("planned", old, new, small_victims)
         cost = self._cache.get(key)
         if cost is None:
-            ranks = frozenset(spread_victims(small_old, small_victims))
+            ranks = frozenset(spread_victims(small_old, small_victims, self.gpus_per_instance))
             lost, leaving = (frozenset(), ranks) if self._with_notice else (ranks, frozenset())
             cost = self._plan_cost(small_old, lost, leaving, small_new)
             if small_new != new and not cost.restart:
@@ -205,24 +286,27 @@ class ScenarioCosts:
 
     def preempted_seconds(self, old: Parallelism, new: Parallelism, previous_instances: int, preempted: int) -> float:
         """Expected cost of old -> new when `preempted` of `previous_instances` instances go."""
+        used = instances_used(old, self.gpus_per_instance)
         return sum(pj * self._victims_seconds(old, new, victims)
-                   for pj, victims in victims_distribution(previous_instances, old.world_size, preempted))
+                   for pj, victims in victims_distribution(previous_instances, used, preempted))
 
     def _victims_seconds(self, old: Parallelism, new: Parallelism, victims: int) -> float:
-        """Cost of old -> new after `victims` of old's slots are preempted. A change of T or
-        of the stage partition re-sends nearly every worker's state whoever was preempted,
-        so it is planned without victims (fewer plans); the chance that victims take every
-        replica of a stage without notice is still counted."""
+        """Cost of old -> new after `victims` of old's instances are preempted. A change of
+        T or of the stage partition re-sends nearly every worker's state whoever was
+        preempted, so it is planned without victims (fewer plans); the chance that victims
+        take every replica of a stage without notice is still counted: a stage's replicas
+        are D tensor-parallel groups, G / T of them to an instance."""
         if victims == 0 and old == new:
             return 0.0
         reshape = old.tp != new.tp or old.stage_layers != new.stage_layers
         cost = self._canonical_cost(old, new, 0 if reshape else victims).seconds
         if self._with_notice or victims == 0:
             return cost
-        wipe = wipe_probability(old.tp * old.pp, old.dp, victims)
+        wipe = wipe_probability(old.pp, old.dp, victims, self.gpus_per_instance // old.tp)
         if wipe == 0.0:
             return cost
-        restart = self.costs.restart_cost(new, joining=new.world_size > old.world_size - victims).seconds
+        lost = len(spread_victims(old, victims, self.gpus_per_instance))
+        restart = self.costs.restart_cost(new, joining=new.world_size > old.world_size - lost).seconds
         return (1 - wipe) * cost + wipe * restart
 
     def change_floor(self, old: Parallelism | None, new: Parallelism) -> float:
@@ -231,7 +315,9 @@ class ScenarioCosts:
         again, at the cheaper group rate. With the same T, each worker of a new stage
         receives at least what the best-overlapping old stage lacks of it. A larger layout
         takes in new workers: each receives a whole stage, and the groups holding them are
-        created at the new-worker rate (counted for planned sizes only)."""
+        created at the new-worker rate (counted for planned sizes only). Bytes take the
+        network, or the faster of it and the instance's own links when an instance has
+        several GPUs."""
         key = (old, new)
         floor = self._floors.get(key)
         if floor is not None:
@@ -258,7 +344,10 @@ class ScenarioCosts:
                 if max(old.world_size, new.world_size) <= PLAN_WORKERS_LIMIT:
                     with_new = sum(-(-joiners // size) for size in (new.tp, new.pp, new.dp) if size > 1) + 1
                     floor += with_new * (fast - slow)
-            floor += c.transfer_seconds(receive)
+            seconds = c.transfer_seconds(receive)
+            if self.gpus_per_instance > 1:
+                seconds = min(seconds, c.intra_instance_seconds(receive))
+            floor += seconds
         self._floors[key] = floor
         return floor
 
@@ -266,7 +355,7 @@ class ScenarioCosts:
         """Expected samples per second of keeping `layout` through `step` (after running on
         `instances`), net of what its preemptions cost: equal to the throughput when nothing
         is preempted, 0 when the step has too few instances for it."""
-        if layout.world_size > step.instances:
+        if layout.world_size > step.instances * self.gpus_per_instance:
             return 0.0
         seconds = self.expected_seconds(layout, layout, instances, step)
         return self.throughput.samples_per_second(layout) * (self.interval - seconds) / self.interval

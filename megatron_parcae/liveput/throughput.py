@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from reconfig.layout import ModelShape, Parallelism, balanced_partition, buildable_partitions
+from reconfig.placement import Placement
 
 PROFILE_FORMAT = "megatron-parcae-layer-profile"
 PROFILE_VERSION = 1
@@ -355,6 +356,29 @@ class PipelineModel(ThroughputModel):
 
     def samples_per_second(self, layout: Parallelism) -> float:
         return self._rates.get(layout, 0.0)
+
+
+class OnInstances(ThroughputModel):
+    """The layouts of `base` whose tensor-parallel groups stay inside instances of G GPUs
+    (T divides G): a TP group all-reduces in every layer, which needs the instance's own
+    GPU links, and a preemption takes an instance whole (reconfig/placement.py)."""
+
+    def __init__(self, base: ThroughputModel, gpus_per_instance: int):
+        self.base = base
+        self.model, self.global_batch_size, self.model_shape = base.model, base.global_batch_size, base.model_shape
+        placement = Placement(gpus_per_instance)
+        self._layouts = tuple(p for p in base.layouts() if placement.fits(p))
+        if not self._layouts:
+            sizes = ", ".join(map(str, sorted({p.tp for p in base.layouts()})))
+            raise ProfileError(f"profile of {base.model}: no layout fits instances of {gpus_per_instance} GPU(s): "
+                               f"its tensor-parallel sizes ({sizes}) do not divide {gpus_per_instance}")
+        self._fits = frozenset(self._layouts)
+
+    def layouts(self) -> tuple[Parallelism, ...]:
+        return self._layouts
+
+    def samples_per_second(self, layout: Parallelism) -> float:
+        return self.base.samples_per_second(layout) if layout in self._fits else 0.0
 
 
 def load_profile(path: str | Path, shapes: dict[str, ModelShape], model: str | None,

@@ -11,9 +11,11 @@ available, on-demand ones all along). It qualifies when it finishes before the d
 on every trace and, with --budget, costs no more than the budget on every trace; the
 answer is the qualifying candidate with the lowest worst-case cost.
 
-Spot sizes are tried on a grid up to the largest layout the profile knows; for each, the
-fewest on-demand instances that meet the deadline are found by bisection (more
-instances never slow training down in the profiles we read).
+Instances have `--gpus-per-instance` G GPUs (default 1), as in `parcae simulate`: the
+traces and every count here are instances, and a cluster of n instances trains on n x G
+GPUs. Spot sizes are tried on a grid up to the instances the profile's largest layout
+needs; for each, the fewest on-demand instances that meet the deadline are found by
+bisection (more instances never slow training down in the profiles we read).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants
 from megatron_parcae.liveput.factory import LiveputStack, build_liveput
 from megatron_parcae.tools.simulate import ON_DEMAND_PRICE, SPOT_PRICE, Replay, Simulation
 from predictor.traces import AvailabilityTrace
+from reconfig.placement import MAX_GPUS_PER_INSTANCE
 
 SPOT_GRID_STEPS = 8
 
@@ -128,7 +131,7 @@ class Sizer:
 
     def search(self) -> list[Candidate]:
         """The fewest-on-demand candidate of each spot size on the grid, cheapest first."""
-        largest = self.liveput.throughput.max_workers
+        largest = -(-self.liveput.throughput.max_workers // self.liveput.gpus_per_instance)
         step = max(1, math.ceil(largest / SPOT_GRID_STEPS))
         found = []
         for spot in sorted({0, *range(step, largest, step), largest}):
@@ -150,6 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookahead", type=int, default=8, help="intervals the liveput optimizer looks ahead")
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="the job trains with --use-distributed-optimizer")
+    parser.add_argument("--gpus-per-instance", type=int, default=1, metavar="G",
+                        help="GPUs (workers) of one instance; the traces and the answer count instances")
     parser.add_argument("--spot-price", type=float, default=SPOT_PRICE, help="$ per spot instance-hour")
     parser.add_argument("--on-demand-price", type=float, default=ON_DEMAND_PRICE, help="$ per on-demand instance-hour")
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
@@ -164,6 +169,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--budget must be a non-negative number, got {args.budget}")
     if args.lookahead < 1:
         raise ValueError(f"--lookahead must be at least 1, got {args.lookahead}")
+    if not 1 <= args.gpus_per_instance <= MAX_GPUS_PER_INSTANCE:
+        raise ValueError(f"--gpus-per-instance must be from 1 to {MAX_GPUS_PER_INSTANCE}, got {args.gpus_per_instance}")
     if not (args.spot_price >= 0 and args.on_demand_price >= 0):
         raise ValueError("prices must be >= 0")
 
@@ -177,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
         _check(args)
         constants = CostConstants.load(args.cost_constants)
         traces = [AvailabilityTrace.load(path) for path in args.trace]
-        liveput = build_liveput(args.profile, constants, model=args.model, max_workers=max(t.peak for t in traces),
-                                lookahead=args.lookahead, distributed_optimizer=args.distributed_optimizer)
+        gpus = args.gpus_per_instance
+        liveput = build_liveput(args.profile, constants, model=args.model,
+                                max_workers=max(t.peak for t in traces) * gpus, lookahead=args.lookahead,
+                                distributed_optimizer=args.distributed_optimizer, gpus_per_instance=gpus)
     except (ValueError, OSError) as exc:
         print(f"parcae plan: error: {exc}", file=sys.stderr)
         return 2
@@ -187,17 +196,18 @@ def run(args: argparse.Namespace) -> int:
     affordable = [c for c in candidates if args.budget is None or c.dollars <= args.budget]
     best = affordable[0] if affordable else None
     if args.json:
-        print(json.dumps({"recommendation": None if best is None else _row(best),
+        print(json.dumps({"gpus_per_instance": gpus, "recommendation": None if best is None else _row(best),
                           "candidates": [_row(c) for c in candidates]}, indent=1))
     else:
         print(f"{args.samples:g} samples of {liveput.throughput.model} within {args.deadline:g} h "
-              f"on {len(traces)} trace(s); cheapest way for each spot size:")
-        print(f"{'spot':>6}{'on-demand':>11}{'hours':>9}{'dollars':>10}")
+              f"on {len(traces)} trace(s), instances of {gpus} GPU(s); cheapest way for each spot size:")
+        print(f"{'spot':>6}{'on-demand':>11}{'GPUs':>7}{'hours':>9}{'dollars':>10}")
         for c in candidates:
-            print(f"{c.spot:>6}{c.on_demand:>11}{c.hours:>9.2f}{c.dollars:>10.2f}")
+            print(f"{c.spot:>6}{c.on_demand:>11}{(c.spot + c.on_demand) * gpus:>7}{c.hours:>9.2f}{c.dollars:>10.2f}")
         if best is not None:
-            print(f"answer: {best.spot} spot + {best.on_demand} on-demand instances, "
-                  f"{best.hours:.2f} h, ${best.dollars:.2f} (worst case over the traces)")
+            print(f"answer: {best.spot} spot + {best.on_demand} on-demand instances "
+                  f"({(best.spot + best.on_demand) * gpus} GPUs), {best.hours:.2f} h, ${best.dollars:.2f} "
+                  f"(worst case over the traces)")
     if best is None:
         reason = ("no cluster finishes by the deadline" if not candidates
                   else "no cluster that finishes in time fits the budget")

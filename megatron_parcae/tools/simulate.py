@@ -1,5 +1,9 @@
 """`parcae simulate`: replay a spot trace interval by interval and compare layout policies.
 
+The trace counts instances of `--gpus-per-instance` G GPUs (default 1), one worker per
+GPU; a preemption takes an instance's G workers at once, and only layouts whose T
+divides G run (a tensor-parallel group stays inside an instance).
+
 The replay starts cold, as Parcae's simulator does: at the first interval every policy
 but `ideal` starts the job from a checkpoint. Each interval (the cost constants'
 `interval_seconds`, 60 s for Parcae's) starts with the trace's preemptions and
@@ -9,7 +13,7 @@ constants give one. Then each policy picks the layout for the
 interval and pays its migration; what a migration leaves unfinished at the interval's
 end carries into the next. Policies:
 
-- `ideal`: the highest-throughput layout for the instances available, changes free;
+- `ideal`: the highest-throughput layout for the GPUs available, changes free;
 - `throughput`: Parcae's reactive throughput-optimal baseline: the same layout, but
   every availability change restarts Parcae's engine from a checkpoint, priced and
   overlapped as Parcae's simulator does (`MigrationCostModel.reactive_restart_cost`; a
@@ -22,7 +26,7 @@ Every instance of the cluster is paid for whether a policy uses it or not: spot
 instances at `--spot-price`, always-on on-demand ones (`--on-demand`) at
 `--on-demand-price`, per instance-hour. Defaults are AWS p3.2xlarge in us-east-1:
 $3.06 on demand and $0.918 spot (30% of it, the usual spot discount for this type);
-pass the prices of your region and date. One GPU per instance.
+pass the prices of your instance type, region and date.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +48,7 @@ from megatron_parcae.liveput.factory import LiveputStack, build_liveput
 from predictor.forecast import AvailabilityForecast, make_forecaster
 from predictor.traces import AvailabilityTrace
 from reconfig.layout import Layout, Parallelism
+from reconfig.placement import MAX_GPUS_PER_INSTANCE, Placement
 
 POLICIES = ("ideal", "throughput", "parcae", "parcae-oracle")
 SPOT_PRICE = 0.918  # $ per p3.2xlarge instance-hour, 30% of on demand
@@ -143,15 +149,22 @@ class Simulation:
             raise ValueError("the replay and the cost constants disagree on the interval length")
         self.replay, self.liveput = replay, liveput
         self.throughput, self.costs = liveput.throughput, liveput.costs
+        self.gpus = liveput.gpus_per_instance
         self.on_demand = on_demand
         self.interval = replay.interval_seconds
         self.initial, self.steps = draw_steps(replay, on_demand, seed)
+        instances = len(self.initial) + sum(len(step.arrived) for step in self.steps)
+        self.placement = Placement(self.gpus, {w: str(w // self.gpus) for w in range(instances * self.gpus)})
         hours = self.interval / 3600
         spot_hours = float(replay.counts[replay.start:replay.end].sum()) * hours
         self.dollars = spot_hours * spot_price + on_demand * replay.intervals * hours * on_demand_price
 
     def instances(self, i: int) -> int:
         return int(self.replay.counts[self.replay.start + i]) + self.on_demand
+
+    def workers(self, instances: Iterable[int]) -> set[int]:
+        """The workers (GPUs) of `instances`: instance k runs workers k*G .. k*G+G-1."""
+        return {k * self.gpus + g for k in instances for g in range(self.gpus)}
 
     def run(self, policy: str) -> PolicyRun:
         runners = {"ideal": self._ideal, "throughput": self._reactive,
@@ -166,7 +179,7 @@ class Simulation:
     def _ideal(self) -> PolicyRun:
         run = PolicyRun("ideal")
         for i in range(self.replay.intervals):
-            best = self.throughput.best(self.instances(i))
+            best = self.throughput.best(self.instances(i) * self.gpus)
             rate = 0.0 if best is None else self.throughput.samples_per_second(best)
             run.add(best, rate, self.interval, self.interval)
         return run
@@ -175,7 +188,7 @@ class Simulation:
         run = PolicyRun("throughput")
         busy = 0.0
         for i, step in enumerate(self.steps):
-            best = self.throughput.best(self.instances(i))
+            best = self.throughput.best(self.instances(i) * self.gpus)
             lost = busy
             if best is not None and (i == 0 or step.preempted or step.arrived):
                 restart = self.costs.reactive_restart_cost(best, joining=bool(step.arrived), cold=i == 0)
@@ -199,16 +212,17 @@ class Simulation:
         forecasts = OracleForecasts(self.replay, self.on_demand) if oracle else \
             ForecasterFeed(self.replay, self.on_demand)
         notice = self.costs.constants.grace_period_seconds > 0
-        available = set(self.initial)
+        available = self.workers(self.initial)
         layout: Layout | None = None
         busy = 0.0
         for i, step in enumerate(self.steps):
-            available.difference_update(step.preempted)
-            available.update(step.arrived)
+            preempted = self.workers(step.preempted)
+            available.difference_update(preempted)
+            available.update(self.workers(step.arrived))
             forecast = forecasts.after(i, self.liveput.lookahead - 1)
-            leaving = frozenset(step.preempted) & layout.workers if (layout is not None and notice) else frozenset()
+            leaving = frozenset(preempted) & layout.workers if (layout is not None and notice) else frozenset()
             started, cpu = time.perf_counter(), time.process_time()
-            decision = optimizer.decide(layout, available, forecast, leaving, busy)
+            decision = optimizer.decide(layout, available, forecast, leaving, busy, self.placement)
             run.decision_seconds.append(time.perf_counter() - started)
             run.decision_cpu_seconds.append(time.process_time() - cpu)
             if layout is not None and decision.layout != layout:
@@ -281,11 +295,12 @@ def report(sim: Simulation, runs: dict[str, PolicyRun]) -> dict:
         "decision_ms": {"p50": round(percentile_ms(decisions, 50), 3), "p99": round(percentile_ms(decisions, 99), 3),
                         "max": round(max(decisions, default=0.0) * 1000, 3)},
         "intervals": sim.replay.intervals,
+        "gpus_per_instance": sim.gpus,
     }
 
 
 def plot_timeline(sim: Simulation, runs: dict[str, PolicyRun], path: str | Path) -> None:
-    """PNG: availability, the layout each policy ran (workers used, P), its throughput."""
+    """PNG: availability, the layout each policy ran (instances used, P), its throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,13 +311,13 @@ def plot_timeline(sim: Simulation, runs: dict[str, PolicyRun], path: str | Path)
     counts = [sim.instances(i) for i in range(sim.replay.intervals)]
     avail.step(minutes, counts, where="post", color="black", label="available")
     for name, run in runs.items():
-        used = [0 if p is None else p.world_size for p in run.layouts]
+        used = [0 if p is None else -(-p.world_size // sim.gpus) for p in run.layouts]
         stages = [0 if p is None else p.pp for p in run.layouts]
         avail.step(minutes, used, where="post", label=f"{name}: used", alpha=0.7)
         shape.step(minutes, stages, where="post", label=name, alpha=0.8)
         rate.step(minutes, run.rates, where="post", label=name, alpha=0.8)
     avail.set_ylabel("instances")
-    shape.set_ylabel("pipeline stages P\n(D = used / P)")
+    shape.set_ylabel("pipeline stages P")
     rate.set_ylabel("samples / s\n(net of migrations)")
     rate.set_xlabel("minutes")
     for ax in (avail, shape, rate):
@@ -327,6 +342,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookahead", type=int, default=8, help="intervals the liveput optimizer looks ahead")
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="the job trains with --use-distributed-optimizer (as the coordinator's config says)")
+    parser.add_argument("--gpus-per-instance", type=int, default=1, metavar="G",
+                        help="GPUs (workers) of one instance: the trace counts instances, a preemption takes G "
+                             "workers, tensor parallelism stays inside an instance (T divides G)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of which instances a preemption hits")
     parser.add_argument("--on-demand", type=int, default=0, help="always-on on-demand instances added to the trace's")
@@ -340,9 +358,10 @@ def build(args: argparse.Namespace) -> tuple[Replay, LiveputStack]:
     """Load the replay and the liveput stack; raises ValueError on bad input."""
     constants = CostConstants.load(args.cost_constants)
     replay = Replay.load(args.trace, constants.interval_seconds, args.start_hour, args.end_hour)
-    max_workers = int(replay.counts.max()) + max(args.on_demand, 0)
+    max_workers = (int(replay.counts.max()) + max(args.on_demand, 0)) * args.gpus_per_instance
     liveput = build_liveput(args.profile, constants, model=args.model, max_workers=max_workers,
-                            lookahead=args.lookahead, distributed_optimizer=args.distributed_optimizer)
+                            lookahead=args.lookahead, distributed_optimizer=args.distributed_optimizer,
+                            gpus_per_instance=args.gpus_per_instance)
     return replay, liveput
 
 
@@ -351,6 +370,8 @@ def _check_common(args: argparse.Namespace) -> None:
         raise ValueError(f"--lookahead must be at least 1, got {args.lookahead}")
     if args.on_demand < 0:
         raise ValueError(f"--on-demand must be >= 0, got {args.on_demand}")
+    if not 1 <= args.gpus_per_instance <= MAX_GPUS_PER_INSTANCE:
+        raise ValueError(f"--gpus-per-instance must be from 1 to {MAX_GPUS_PER_INSTANCE}, got {args.gpus_per_instance}")
     if not (args.spot_price >= 0 and args.on_demand_price >= 0):
         raise ValueError("prices must be >= 0")
 
@@ -376,8 +397,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
         return 0
     throughput_samples = runs["throughput"].samples if "throughput" in runs else None
+    most = int(replay.counts[replay.start:replay.end].max()) + args.on_demand
     print(f"{replay.intervals} intervals of {replay.interval_seconds:g} s, {liveput.throughput.model}, "
-          f"look-ahead {args.lookahead}")
+          f"look-ahead {args.lookahead}; up to {most} instances of {sim.gpus} GPU(s) ({most * sim.gpus} GPUs)")
     print(f"{'policy':<15}{'samples':>12}{'of ideal':>10}{'vs throughput':>15}{'dollars':>10}"
           f"{'migrations':>12}{'lost s':>9}")
     for name, row in result["policies"].items():
