@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("megatron_parcae.tools.replay", "replay a spot trace with real processes: --parcae against checkpoint-restart"),
     "status": ("megatron_parcae.control.status", "show a job's generation, layout, members, forecast and last migrations"),
     "compare": ("megatron_parcae.tools.compare", "how far apart two checkpoints' parameters and Adam moments are"),
+    "notice-watch": ("megatron_parcae.tools.notice_watch", "print this instance's preemption notice from its cloud's metadata service"),
 }
 
 
