@@ -146,6 +146,7 @@ class PlanPublished(Event):
     reason: str
     lost: tuple[int, ...]
     broken: tuple[int, ...]
+    instances: tuple[str, ...] = ()  # of the new layout's workers, by slot
 
 
 KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in (Iteration, Save, Load, LayoutChange, PlanPublished)}

@@ -17,10 +17,16 @@ PROCESS_FIXTURES = frozenset({"etcd_server", "client", "own_etcd", "auth_server"
                               "uninterrupted"})
 
 
+# Modules whose tests take minutes of wall-clock time (a replayed trace): run first, so
+# that the two test processes (pytest.ini's -n 2) finish together.
+LONGEST_FIRST = ("test_replay.py", "test_reconfig_live.py")
+
+
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from helpers import LEASE_S, envelope, new_job, python_child, wait_for
 
 from megatron_parcae.control.agent import AgentError, ParcaeAgent
 from megatron_parcae.control.etcd import JobStore
+from megatron_parcae.control.notices import Notice
 
 GRACE_S = 30.0
 
@@ -253,3 +254,41 @@ def test_stalled_worker_is_fenced_and_exits_without_writing(etcd_server, client)
     finally:
         child.kill()
         child.wait()
+
+
+class _NoticeAtOnce:
+    """A metadata watcher whose service has already marked the instance."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+
+    def start(self, on_notice, stop, on_hint=None) -> None:
+        threading.Thread(target=on_notice, args=(Notice("aws", "terminate", self.deadline, time.time()),),
+                         daemon=True).start()
+
+
+def test_a_metadata_notice_is_posted_with_the_providers_deadline(client):
+    store = JobStore(client, new_job())
+    deadline = time.time() + 95.0  # AWS gives about two minutes, whatever the grace setting says
+    agent = ParcaeAgent(client, store.keys.job, worker_id=0, grace_seconds=GRACE_S, lease_seconds=LEASE_S,
+                        instance="i-0abc", local_rank=1, notices=_NoticeAtOnce(deadline))
+    agent.start()
+    try:
+        notice = wait_for(lambda: store.notices().get(0), 10, "the notice in etcd")
+        assert (notice.instance, notice.reason, notice.deadline) == ("i-0abc", "aws:terminate", deadline)
+        assert agent.notice_deadline == deadline and store.members()[0].local_rank == 1
+    finally:
+        agent.stop()
+
+
+def test_worker_ids_from_etcd_are_never_handed_out_twice(client):
+    store = JobStore(client, new_job())
+    ids: list[int] = []
+    threads = [threading.Thread(target=lambda: ids.extend(store.allocate_worker_id() for _ in range(20)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(ids) == list(range(80))
+    assert JobStore(client, store.keys.job).allocate_worker_id() == 80  # a later process goes on from there

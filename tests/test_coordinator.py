@@ -57,10 +57,10 @@ def write_config(folder: Path, **overrides) -> Path:
 class Worker:
     """A member record on its own lease, standing in for a training process."""
 
-    def __init__(self, store: JobStore, worker_id: int, pid: int | None = None) -> None:
+    def __init__(self, store: JobStore, worker_id: int, pid: int | None = None, instance: str | None = None) -> None:
         self.store, self.worker_id = store, worker_id
         self.lease = KeptLease(store.client, LEASE_S)
-        self.record = MemberRecord(worker_id, f"node-{worker_id}", pid or 1000 + worker_id, time.time(), 0)
+        self.record = MemberRecord(worker_id, instance or f"node-{worker_id}", pid or 1000 + worker_id, time.time(), 0)
         assert store.register_member(self.record, self.lease.id) is not None
 
     def acknowledge(self, generation: int) -> None:
@@ -185,6 +185,35 @@ def test_arrival_grows_the_layout_once_the_current_one_is_applied(job):
         plan = migration(store, 2)
         assert plan.request.joining == {3} and plan.request.survivors == {0, 1, 2}
         assert "workers [3] join" in decision(store, 2)["reason"]
+
+
+def test_instances_of_two_gpus_go_and_come_whole(job):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w, instance="abcd"[w // 2]) for w in range(8)]  # a: 0 1, b: 2 3, ...
+
+    def whole_instances(layout: Layout) -> bool:
+        return all(layout.slots[r] // 2 == layout.slots[r + 1] // 2 for r in range(0, len(layout.slots), 2))
+
+    with running(store, write_config(tmp_path, **{"min-workers": 8, "gpus-per-instance": 2})):
+        first = wait_generation(store, 1)
+        assert whole_instances(first), first.slots
+        for worker in workers:
+            worker.acknowledge(1)
+        noticed = first.slots[2]  # one worker hears the notice: its whole instance leaves
+        sibling = noticed ^ 1
+        workers[noticed].notice(20.0)
+        second = wait_generation(store, 2)
+        plan = migration(store, 2)
+        assert plan.request.leaving == {noticed, sibling} and not second.workers & {noticed, sibling}
+        assert plan.request.placement.gpus_per_instance == 2 and whole_instances(second)
+        assert f"notice from workers {sorted([noticed, sibling])}" in decision(store, 2)["reason"]
+        for worker in second.workers:
+            workers[worker].acknowledge(2)
+        gone = second.slots[0]  # lost without notice: its sibling goes with the instance
+        workers[gone].vanish()
+        third = wait_generation(store, 3)
+        assert not third.workers & {gone, gone ^ 1} and migration(store, 3).request.lost == {gone, gone ^ 1}
+        wait_for(lambda: gone ^ 1 not in store.members(), WAIT_S, "the sibling fenced with its instance")
 
 
 def test_lost_worker_and_restarted_process_are_dropped(job):

@@ -45,6 +45,7 @@ from megatron_parcae.control.etcd.keys import (
     SchemaError,
     StepReport,
 )
+from megatron_parcae.control.notices import NoticeWatcher
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,14 @@ class _Doorbell:
             self._rings.get_nowait()
 
 
+def default_instance() -> str:
+    """This process's instance name: the host, and the launching torchrun's pid, so that
+    each torchrun (one per instance) is one instance even where several share a host;
+    a process started without torchrun is an instance of its own."""
+    launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    return f"{socket.gethostname()}-{launcher}"
+
+
 class ParcaeAgent:
     """Membership, preemption notices, plan delivery and step reports of one process."""
 
@@ -99,6 +108,8 @@ class ParcaeAgent:
         grace_seconds: float,
         lease_seconds: float,
         instance: str | None = None,
+        local_rank: int = 0,
+        notices: NoticeWatcher | None = None,
     ) -> None:
         if not grace_seconds >= 0 or not lease_seconds > 0:
             raise ValueError(f"grace_seconds must be >= 0 and lease_seconds > 0, got {grace_seconds}, {lease_seconds}")
@@ -107,7 +118,8 @@ class ParcaeAgent:
         self.worker_id = worker_id
         self.grace_seconds = grace_seconds
         self.lease_seconds = lease_seconds
-        self._member = MemberRecord(worker_id, instance or socket.gethostname(), os.getpid(), time.time(), 0)
+        self._member = MemberRecord(worker_id, instance or default_instance(), os.getpid(), time.time(), 0,
+                                    local_rank=local_rank)
         self._member.encode()  # refuse a bad worker id or instance name now, not on a thread
         self._lock = threading.Lock()
         self._wake = _Doorbell()
@@ -120,8 +132,11 @@ class ParcaeAgent:
         self._pending: PlanEnvelope | None = None
         self._member_dirty = False
         self._fenced = False
-        self._notice_at: float | None = None
+        # Set by the SIGTERM handler or a metadata watcher's thread, as one tuple (an atomic
+        # store: the handler may not take locks): (received_at, deadline, reason).
+        self._notice: tuple[float, float, str] | None = None
         self._notice_posted = False
+        self._notices = notices
         self._steps = _StepWindow()
         self._last_report_at = -math.inf
         self._progress: ProgressRecord | None = None  # the newest one not yet written
@@ -148,6 +163,8 @@ class ParcaeAgent:
                 pass  # it expires on its own
             raise
         self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if self._notices is not None:
+            self._notices.start(lambda n: self.notify(f"{n.source}:{n.action}", n.deadline), self._stopping)
         self._thread = threading.Thread(target=self._run, name=f"parcae-agent {self.worker_id}", daemon=True)
         self._thread.start()
         self._watch = self._client.watch(self._store.keys.generation, self._on_generation_change)
@@ -259,12 +276,13 @@ class ParcaeAgent:
 
     @property
     def notice_received(self) -> bool:
-        return self._notice_at is not None
+        return self._notice is not None
 
     @property
     def notice_deadline(self) -> float | None:
-        """Wall-clock time by which this process will be killed, once SIGTERM arrived."""
-        return None if self._notice_at is None else self._notice_at + self.grace_seconds
+        """Wall-clock time by which this process will be killed, once a notice arrived."""
+        notice = self._notice
+        return None if notice is None else notice[1]
 
     @property
     def fenced(self) -> bool:
@@ -278,9 +296,17 @@ class ParcaeAgent:
 
     # -- background work -------------------------------------------------------------
 
+    def notify(self, reason: str, deadline: float) -> None:
+        """A preemption notice from a cloud's metadata service (any thread); the first
+        notice this process hears is the one it posts."""
+        if self._notice is None:
+            self._notice = (time.time(), deadline, reason)
+        self._wake.ring()
+
     def _on_sigterm(self, signum: int, frame: object) -> None:
-        if self._notice_at is None:
-            self._notice_at = time.time()
+        if self._notice is None:
+            now = time.time()
+            self._notice = (now, now + self.grace_seconds, "SIGTERM")
         self._wake.ring()
 
     def _on_lease_lost(self) -> None:
@@ -324,8 +350,9 @@ class ParcaeAgent:
         assert self._lease is not None
         lease = self._lease.id
         published = True
-        if self._notice_at is not None and not self._notice_posted:
-            notice = NoticeRecord(self.worker_id, self._member.instance, "SIGTERM", self._notice_at, self._notice_at + self.grace_seconds)
+        if self._notice is not None and not self._notice_posted:
+            received_at, deadline, reason = self._notice
+            notice = NoticeRecord(self.worker_id, self._member.instance, reason, received_at, max(received_at, deadline))
             published = self._store.post_notice(notice, lease)
             self._notice_posted = published
         with self._lock:

@@ -66,6 +66,7 @@ from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, b
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
 from predictor.forecast import AvailabilityForecast, Forecaster, make_forecaster
 from reconfig.layout import Layout
+from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement
 
 log = logging.getLogger("parcae.coordinator")
 
@@ -91,6 +92,7 @@ class CoordinatorConfig:
     max_workers: int = 64  # largest job the layer-profile model enumerates layouts for
     min_workers: int = 1  # the first plan waits for this many workers
     distributed_optimizer: bool = False  # the workers train with --use-distributed-optimizer
+    gpus_per_instance: int = 1  # workers (GPUs) of an instance: a preemption takes them all
 
     @classmethod
     def load(cls, path: str | Path) -> CoordinatorConfig:
@@ -127,9 +129,10 @@ class CoordinatorConfig:
                 if not isinstance(value, bool):
                     raise ConfigError(f"{where}: {key}: expected true or false, got {value!r}")
                 values[name] = value
-            elif name in ("lookahead", "max_workers", "min_workers"):
-                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
-                    raise ConfigError(f"{where}: {key}: expected an integer from 1 to 1000000, got {value!r}")
+            elif name in ("lookahead", "max_workers", "min_workers", "gpus_per_instance"):
+                top = MAX_GPUS_PER_INSTANCE if name == "gpus_per_instance" else 1_000_000
+                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                    raise ConfigError(f"{where}: {key}: expected an integer from 1 to {top}, got {value!r}")
                 values[name] = value
             else:
                 minimum = 0.0 if name == "grace_seconds" else None
@@ -148,7 +151,8 @@ class CoordinatorConfig:
             grace_period_seconds=constants.grace_period_seconds if self.grace_seconds is None else self.grace_seconds,
         )
         return build_liveput(self.profile, constants, model=self.model, max_workers=self.max_workers,
-                             lookahead=self.lookahead, distributed_optimizer=self.distributed_optimizer).optimizer()
+                             lookahead=self.lookahead, distributed_optimizer=self.distributed_optimizer,
+                             gpus_per_instance=self.gpus_per_instance).optimizer()
 
 
 def _existing_file(where: str, key: str, value: Any, base: Path) -> Path:
@@ -187,6 +191,7 @@ class MemberView:
     restarted: frozenset[int]  # in the layout, but their member key belongs to a new process
     broken: frozenset[int]  # in the layout and available, but the layout's WORLD broke under them
     state_kept: bool  # every broken worker still holds its state of the layout
+    placement: Placement  # the instances of the members (and of the layout's lost workers)
 
 
 class Coordinator:
@@ -218,6 +223,7 @@ class Coordinator:
         self._previous: set[int] | None = None
         self._seen: set[int] = set()
         self._admitted: dict[int, list] = {}
+        self._instance_of: dict[int, str] = {}  # every worker's instance, as its member record said
         self._decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self._busy_until = 0.0  # monotonic time the last migration is expected to end
 
@@ -335,6 +341,12 @@ class Coordinator:
             return None
         return self._forecaster.forecast(self._optimizer.horizon - 1)
 
+    def _instances(self, workers: set[int] | frozenset[int]) -> int:
+        """How many instances `workers` run on: what forecasts count."""
+        if self._config.gpus_per_instance == 1:
+            return len(workers)
+        return len({self._instance_of.get(w, f"worker-{w}") for w in workers})
+
     def _close_intervals(self, available: frozenset[int], now: float) -> bool:
         """Record every interval that ended by `now`; True if any did.
 
@@ -348,8 +360,8 @@ class Coordinator:
         elapsed = math.floor((now - self._boundary_at) / self._interval)
         if elapsed < 1:
             return False
-        count = len(available)
-        self._observe([count, len(self._seen - available), len(self._seen - self._previous)])
+        count = self._instances(available)
+        self._observe([count, self._instances(self._seen - available), self._instances(self._seen - self._previous)])
         for _ in range(min(elapsed - 1, HISTORY_KEPT)):
             self._observe([count, 0, 0])
         self._boundary_at += elapsed * self._interval
@@ -365,12 +377,53 @@ class Coordinator:
         in_layout = current.workers if current is not None else frozenset()
         restarted = frozenset(w for w in in_layout & frozenset(members)
                               if w in self._admitted and self._admitted[w] != _process(members[w]))
+        placement = self._placement(members, in_layout)
+        unplaced = frozenset(members) - frozenset(placement.instance_of) if placement is not ONE_GPU else frozenset()
         expired = frozenset(w for w, n in notices.items() if n.deadline <= now)
-        available = frozenset(members) - frozenset(notices) - restarted
-        leaving = (frozenset(notices) - expired - restarted) & in_layout
+        noticed = frozenset(notices)
+        if placement is not ONE_GPU:  # a notice, or a loss, concerns the whole instance
+            going = {placement.instance(w) for w in noticed}
+            going |= {placement.instance(w) for w in in_layout - frozenset(members)}
+            deadlines = {placement.instance(w): n.deadline for w, n in notices.items()}
+            noticed = frozenset(w for w in members if placement.instance(w) in going)
+            expired = frozenset(w for w in noticed if deadlines.get(placement.instance(w), now) <= now)
+            unplaced |= self._arriving(members, placement, in_layout, now)
+        available = frozenset(members) - noticed - restarted - unplaced
+        leaving = (noticed - expired - restarted) & in_layout
         broken = frozenset(w for w in in_layout & available if members[w].broken == generation)
         return MemberView(available, leaving, in_layout - available - leaving, restarted, broken,
-                          all(members[w].state_kept for w in broken))
+                          all(members[w].state_kept for w in broken), placement)
+
+    def _arriving(self, members: dict[int, MemberRecord], placement: Placement, in_layout: frozenset[int],
+                  now: float) -> frozenset[int]:
+        """Workers of a new instance whose other workers are still starting: the instance
+        joins whole, unless some never come (one lease period after the last arrived)."""
+        waiting = set()
+        for workers in placement.instances(frozenset(members) - in_layout).values():
+            if len(workers) < placement.gpus_per_instance \
+                    and now - max(members[w].registered_at for w in workers) < self._config.lease_seconds:
+                waiting.update(workers)
+        return frozenset(waiting)
+
+    def _placement(self, members: dict[int, MemberRecord], in_layout: frozenset[int]) -> Placement:
+        """Where members run; lost workers of the layout keep the instance they had. An
+        instance reporting more workers than it has GPUs places only its first ones."""
+        g = self._config.gpus_per_instance
+        if g == 1:
+            return ONE_GPU
+        for worker, member in members.items():
+            self._instance_of[worker] = member.instance
+        placed: dict[int, str] = {}
+        counts: dict[str, int] = {}
+        for worker in sorted(frozenset(members) | in_layout):
+            instance = self._instance_of.get(worker, f"worker-{worker}")
+            if counts.get(instance, 0) < g:
+                counts[instance] = counts.get(instance, 0) + 1
+                placed[worker] = instance
+            else:
+                self._warn_once(f"instance {instance} runs more than {g} workers (gpus-per-instance); "
+                                f"worker {worker} is not placed")
+        return Placement(g, placed)
 
     def _reconcile(self) -> None:
         """Read the job's state once and publish the next generation if it must change."""
@@ -408,7 +461,8 @@ class Coordinator:
                                              for w in current.workers & view.available)
             if forced or settled:
                 busy = 0.0 if settled else max(0.0, self._busy_until - time.monotonic())
-                decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving, busy)
+                decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving, busy,
+                                                  placement=view.placement)
                 if decision.layout is None:
                     self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")
                 elif decision.layout != current:
@@ -420,8 +474,10 @@ class Coordinator:
     def _recovery(self, current: Layout, view: MemberView) -> Decision:
         """The plan after the current layout's WORLD broke (every live worker of it reported)."""
         if not view.state_kept:
-            return self._optimizer.decide(None, view.available, self._forecast)  # from the last checkpoint
-        decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving)
+            return self._optimizer.decide(None, view.available, self._forecast,  # from the last checkpoint
+                                          placement=view.placement)
+        decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving,
+                                          placement=view.placement)
         if decision.layout == current:
             return self._optimizer.rebuild(current)
         return decision
@@ -449,7 +505,8 @@ class Coordinator:
                                 "seconds": round(float(decision.cost.seconds), 6)})
         self._events.write(PlanPublished(generation, kind, p.tp, p.pp, p.dp, tuple(layout.slots),
                                          float(decision.cost.seconds), reason, tuple(sorted(view.lost)),
-                                         tuple(sorted(view.broken)), time=envelope.created_at))
+                                         tuple(sorted(view.broken)), tuple(view.placement.instance(w) for w in layout.slots),
+                                         time=envelope.created_at))
         self._save()
         for worker in sorted((view.lost & frozenset(members)) - view.restarted):
             if self._store.fence_member(worker):

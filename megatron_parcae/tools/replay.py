@@ -4,12 +4,13 @@ with real processes, real etcd and the real coordinator.
 A trace segment (predictor.AvailabilityTrace, cut and scaled to this machine) becomes
 a list of `ReplayStep`s in wall-clock time (`--speedup` trace seconds per second). Each
 step tells the job under test how many instances it has from then on; an instance is
-one training process. Instances that go away are preempted as a cloud does it: SIGTERM,
-then SIGKILL after the grace period.
+one training process, or with `--gpus-per-instance G` one torchrun of G processes.
+Instances that go away are preempted as a cloud does it, all their processes at once:
+SIGTERM, then SIGKILL after the grace period.
 
 Jobs under test implement `resize(count)` and `stop()`:
-- `ParcaeJob` starts etcd and `parcae coordinator`, and a `--parcae` worker per arriving
-  instance (a fresh worker id each: a new instance is a new process);
+- `ParcaeJob` starts etcd and `parcae coordinator`, and `--parcae` workers on each arriving
+  instance (fresh worker ids: a new instance is new processes);
 - `CheckpointRestartJob` is the reactive baseline (what users run today): a torchrun job
   with periodic checkpoints, killed and restarted from its last checkpoint on every
   change of the instance count.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -39,6 +41,7 @@ import psutil
 from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.events import Event, EventError, EventFollower, Iteration, LayoutChange, Load, Save
 from megatron_parcae.training.arguments import ArgumentError, parse_args
+from reconfig.placement import MAX_GPUS_PER_INSTANCE
 
 BASELINES = ("checkpoint-restart",)
 # Workers and the coordinator renew leases from background threads; on a machine running
@@ -206,11 +209,12 @@ class ParcaeJob:
     """The job under test with --parcae: coordinator, etcd and one worker per instance."""
 
     def __init__(self, script: str, command_args: list[str], workdir: Path, profile: Path, grace_seconds: float,
-                 interval_seconds: float, max_instances: int, seed: int) -> None:
+                 interval_seconds: float, max_instances: int, seed: int, gpus_per_instance: int = 1) -> None:
         from megatron_parcae.control.etcd import EtcdServer
 
         self.script, self.args, self.workdir = script, command_args, workdir
         self.grace_seconds = grace_seconds
+        self.gpus_per_instance = gpus_per_instance
         self.log = JobLog()
         self.preemptions = self.arrivals = 0
         self._rng = random.Random(seed)
@@ -221,8 +225,10 @@ class ParcaeJob:
         # The first plan does not wait for every initial instance: some may be preempted
         # before they have started (as in real traces), and joining later costs little.
         config = {"profile": str(profile.resolve()), "interval-seconds": interval_seconds, "lookahead": 8,
-                  "grace-seconds": grace_seconds, "lease-seconds": LEASE_SECONDS, "max-workers": max_instances,
-                  "min-workers": 1, "distributed-optimizer": "--use-distributed-optimizer" in command_args}
+                  "grace-seconds": grace_seconds, "lease-seconds": LEASE_SECONDS,
+                  "max-workers": max_instances * gpus_per_instance, "min-workers": 1,
+                  "distributed-optimizer": "--use-distributed-optimizer" in command_args,
+                  "gpus-per-instance": gpus_per_instance}
         self._config_path = workdir / "coordinator.yaml"
         self._config_path.write_text(json.dumps(config, indent=1))  # JSON is YAML
         self._coordinators = 0
@@ -266,22 +272,31 @@ class ParcaeJob:
             for worker in self._rng.sample(alive, len(alive) - count):
                 self._workers[worker].preempt(self.grace_seconds)
                 self.preemptions += 1
-                self.log.event(f"preempt worker {worker}", count)
+                self.log.event(f"preempt {'worker' if self.gpus_per_instance == 1 else 'instance'} {worker}", count)
         if self._workers:
             self.arrivals += max(0, count - len(alive))
         for _ in range(count - len(alive)):
             self._start_worker()
 
     def _start_worker(self) -> None:
-        worker, self._next_id = self._next_id, self._next_id + 1
-        self.log.event(f"start worker {worker}", len(self.alive()) + 1)
-        events = self.workdir / f"worker-{worker}.events.jsonl"
-        cmd = [sys.executable, self.script, *self.args, "--parcae", "--parcae-etcd", self._server.endpoint,
-               "--parcae-job", self.job, "--parcae-worker-id", str(worker),
-               "--parcae-grace-seconds", str(self.grace_seconds), "--parcae-lease-seconds", str(LEASE_SECONDS),
-               "--parcae-events", str(events)]
+        """One instance: a worker with the next id, or a torchrun of G workers whose ids
+        etcd hands out."""
+        index, self._next_id = self._next_id, self._next_id + 1
+        g = self.gpus_per_instance
+        name = f"worker-{index}" if g == 1 else f"instance-{index}"
+        self.log.event(f"start {name}", len(self.alive()) + 1)
+        events = self.workdir / f"{name}.events.jsonl"
+        flags = [*self.args, "--parcae", "--parcae-etcd", self._server.endpoint, "--parcae-job", self.job,
+                 "--parcae-grace-seconds", str(self.grace_seconds), "--parcae-lease-seconds", str(LEASE_SECONDS),
+                 "--parcae-events", str(events)]
+        if g == 1:
+            cmd = [sys.executable, self.script, *flags, "--parcae-worker-id", str(index)]
+        else:  # torchrun must wait out the grace period after forwarding SIGTERM
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                   f"--nproc-per-node={g}", f"--shutdown-timeout={math.ceil(self.grace_seconds) + 5}",
+                   self.script, *flags, "--parcae-instance", name]
         self.log.follow(events)
-        self._workers[worker] = _Process(cmd, self.workdir / f"worker-{worker}.log", _child_env())
+        self._workers[index] = _Process(cmd, self.workdir / f"{name}.log", _child_env())
 
     def check(self) -> bool:
         """Whether training has ended (the coordinator exits then). Fails fast when a process
@@ -316,7 +331,7 @@ class CheckpointRestartJob:
     """Reactive checkpoint-restart: restart torchrun from the last checkpoint on every change."""
 
     def __init__(self, script: str, command_args: list[str], workdir: Path, save_interval: int,
-                 grace_seconds: float) -> None:
+                 grace_seconds: float, gpus_per_instance: int = 1) -> None:
         self.script = script
         self.model = "bert" if "bert" in Path(script).name else "gpt"
         self.args = command_args
@@ -324,6 +339,7 @@ class CheckpointRestartJob:
         self.workdir = workdir
         self.save_interval = save_interval
         self.grace_seconds = grace_seconds
+        self.gpus_per_instance = gpus_per_instance
         self.log = JobLog()
         self.preemptions = self.arrivals = 0
         self._instances = 0
@@ -336,7 +352,7 @@ class CheckpointRestartJob:
         self.arrivals += max(0, count - self._instances) if self._instances else 0
         self._instances = count
         self._kill()
-        world = largest_world(self.args, self.model, count)
+        world = largest_world(self.args, self.model, count * self.gpus_per_instance)
         if world == 0:
             return
         resume = ["--load", str(self.checkpoint_dir)] if (self.checkpoint_dir / "latest_checkpointed_iteration.txt").exists() else []
@@ -423,6 +439,7 @@ class ReplaySummary:
     speedup: float
     grace_seconds: float
     max_instances: int
+    gpus_per_instance: int
     wall_seconds: float
     samples: int
     iterations: int
@@ -513,7 +530,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-hour", type=float, default=0.0)
     parser.add_argument("--end-hour", type=float, default=None, help="default: the end of the trace")
     parser.add_argument("--max-instances", type=int, required=True,
-                        help="scale the trace so that its peak is this many instances (one process each)")
+                        help="scale the trace so that its peak is this many instances")
+    parser.add_argument("--gpus-per-instance", type=int, default=1,
+                        help="processes (GPUs) per instance: each instance is then one torchrun of that many, "
+                             "preempted whole (default 1: one process, no torchrun)")
     parser.add_argument("--speedup", type=float, default=1.0, help="trace seconds per wall-clock second")
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="wall-clock seconds between SIGTERM and SIGKILL of a preempted instance")
@@ -568,6 +588,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.max_instances < 1:
             raise ValueError("--max-instances must be at least 1")
+        if not 1 <= args.gpus_per_instance <= MAX_GPUS_PER_INSTANCE:
+            raise ValueError(f"--gpus-per-instance must be from 1 to {MAX_GPUS_PER_INSTANCE}")
         if not args.grace_seconds >= 0:
             raise ValueError("--grace-seconds must be >= 0")
         script, flags, _ = _training_command(args)
@@ -583,12 +605,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     duration = segment.duration_seconds / args.speedup
     setting = dict(trace=str(args.trace), hours=[args.start_hour, end], speedup=args.speedup,
-                   grace_seconds=args.grace_seconds, max_instances=args.max_instances)
+                   grace_seconds=args.grace_seconds, max_instances=args.max_instances,
+                   gpus_per_instance=args.gpus_per_instance)
     runs: list[tuple[str, Callable[[Path], Job]]] = [("parcae", lambda d: ParcaeJob(
-        script, flags, d, args.profile, args.grace_seconds, 60.0 / args.speedup, args.max_instances, args.seed))]
+        script, flags, d, args.profile, args.grace_seconds, 60.0 / args.speedup, args.max_instances, args.seed,
+        args.gpus_per_instance))]
     if args.baseline == "checkpoint-restart":
         runs.append(("checkpoint-restart", lambda d: CheckpointRestartJob(
-            script, flags, d, args.save_interval, args.grace_seconds)))
+            script, flags, d, args.save_interval, args.grace_seconds, args.gpus_per_instance)))
     summaries = []
     for mode, make_job in runs:
         workdir = args.workdir / mode

@@ -17,6 +17,7 @@ from typing import Any, Callable, NoReturn, Sequence
 import yaml
 
 from megatron_parcae.control.etcd.options import add_etcd_arguments, check_etcd_arguments
+from megatron_parcae.control.notices import SOURCES as NOTICE_SOURCES
 from reconfig.layout import ModelShape, Parallelism, partition_layers
 
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
@@ -75,9 +76,19 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
                         "joining workers the last K ranks (started with the job, idle until they join)")
     g.add_argument("--parcae-worker-id", type=int, default=None, metavar="ID",
                    help="with --parcae-etcd: this process's id in the job, unique over the job's whole life "
-                        "(default: $RANK)")
+                        "(default: a new one from etcd)")
+    g.add_argument("--parcae-instance", default=None, metavar="NAME",
+                   help="with --parcae-etcd: the instance (node) this process runs on; a preemption takes all of "
+                        "its processes (default: the host name and the launching torchrun's pid)")
+    g.add_argument("--parcae-notice", choices=NOTICE_SOURCES, default="signal",
+                   help="with --parcae-etcd: where preemption notices come from besides SIGTERM: a cloud's "
+                        "metadata service (aws, gcp, azure), auto (probe them, else signals only) or signal "
+                        "(default); local rank 0 watches for its instance")
+    g.add_argument("--parcae-metadata-endpoint", default=None, metavar="URL",
+                   help="with --parcae-notice aws|gcp|azure: the metadata service's base URL (default: the cloud's)")
     g.add_argument("--parcae-grace-seconds", type=float, default=30.0, metavar="SECONDS",
-                   help="with --parcae-etcd: time between SIGTERM (preemption notice) and SIGKILL (default 30)")
+                   help="with --parcae-etcd: time between SIGTERM (preemption notice) and SIGKILL (default 30; "
+                        "under torchrun also pass --shutdown-timeout at least this long)")
     g.add_argument("--parcae-lease-seconds", type=float, default=10.0, metavar="SECONDS",
                    help="with --parcae-etcd: a process silent this long counts as lost, and a collective "
                         "waiting this long for a peer fails (default 10; above the longest wait within a step)")
@@ -306,10 +317,12 @@ def _check_live_job(args: argparse.Namespace) -> None:
     _check(args.parcae, "--parcae-etcd needs --parcae")
     _check(args.parcae_layout_schedule is None, "--parcae-etcd and --parcae-layout-schedule exclude each other")
     _check(args.parcae_job is not None, "--parcae-etcd needs --parcae-job")
-    if args.parcae_worker_id is None and "RANK" in os.environ:
-        args.parcae_worker_id = int(os.environ["RANK"])
-    _check(args.parcae_worker_id is not None, "--parcae-etcd needs --parcae-worker-id (or $RANK)")
-    _check(0 <= args.parcae_worker_id < 2**31, f"--parcae-worker-id must be from 0 to 2^31-1, got {args.parcae_worker_id}")
+    _check(args.parcae_worker_id is None or 0 <= args.parcae_worker_id < 2**31,
+           f"--parcae-worker-id must be from 0 to 2^31-1, got {args.parcae_worker_id}")
+    _check(args.parcae_instance is None or 0 < len(args.parcae_instance) <= 253,
+           "--parcae-instance must be 1 to 253 characters")
+    _check(args.parcae_metadata_endpoint is None or args.parcae_notice in ("aws", "gcp", "azure"),
+           "--parcae-metadata-endpoint needs --parcae-notice aws, gcp or azure")
     _check(args.parcae_grace_seconds >= 0, f"--parcae-grace-seconds must be >= 0, got {args.parcae_grace_seconds}")
     _check(args.parcae_lease_seconds > 0, f"--parcae-lease-seconds must be positive, got {args.parcae_lease_seconds}")
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 
@@ -30,6 +31,12 @@ from megatron_parcae.training.runtime import LayoutRuntime
 def _fail(prog: str, message: str, code: int) -> int:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     return code
+
+
+def _fenced_exit() -> int:
+    """FENCED_EXIT, but 0 beside other local ranks of one torchrun: torchrun takes a
+    failed rank down with its whole node, and the job dropped only this one."""
+    return 0 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 else FENCED_EXIT
 
 
 def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None = None) -> int:
@@ -104,7 +111,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
         finished = progress.consumed_samples
         return 0
     except LiveJobError as exc:
-        return _fail(prog, str(exc), FENCED_EXIT if isinstance(exc, WorkerFenced) else 1)
+        return _fail(prog, str(exc), _fenced_exit() if isinstance(exc, WorkerFenced) else 1)
     finally:
         hook.finish(finished)
         if dist.is_initialized():

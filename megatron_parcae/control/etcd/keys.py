@@ -162,16 +162,17 @@ class MemberRecord(Record):
     generation's layout, whole at its last applied step (False: it failed mid-change)."""
 
     worker_id: int
-    instance: str
+    instance: str  # the node it runs on: a preemption, notice or arrival concerns all of its workers
     pid: int
     registered_at: float
     generation: int
     broken: int = 0
     state_kept: bool = True
+    local_rank: int = 0  # its GPU on the instance
 
     SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME,
               "generation": Field(int, 0, MAX_GENERATION), "broken": Field(int, 0, MAX_GENERATION),
-              "state_kept": Field(bool)}
+              "state_kept": Field(bool), "local_rank": Field(int, 0, 1023)}
 
     def check(self, where: str) -> None:
         if self.broken > self.generation:
@@ -434,6 +435,11 @@ class JobKeys:
         """The store keys of one generation's WORLDs (reconfig.world.World.reform's `g<N>/`)."""
         return f"{self.store}parcae/g{Field(int, 0, MAX_GENERATION).check(generation, 'generation')}/"
 
+    @property
+    def worker_ids(self) -> str:
+        """Its version counts the worker ids handed out (`JobStore.allocate_worker_id`)."""
+        return self.prefix + "worker-ids"
+
     def member(self, worker_id: int) -> str:
         return f"{self.members}{_WORKER.check(worker_id, 'worker id'):010d}"
 
@@ -484,6 +490,15 @@ class JobStore:
         if not result.succeeded:
             return None
         return self._generation_of(result.reads[0])
+
+    def allocate_worker_id(self) -> int:
+        """A worker id no process of this job has been given before: one transaction bumps
+        the counter key's version and reads it back, so concurrent callers never share one."""
+        result = self.client.txn([], [Put(self.keys.worker_ids, b"{}"), Get(self.keys.worker_ids)])
+        worker_id = result.reads[0][0].version - 1
+        if worker_id > MAX_WORKER_ID:
+            raise SchemaError(self.keys.worker_ids, f"worker ids are used up ({MAX_WORKER_ID}); start a new job name")
+        return worker_id
 
     def update_member(self, member: MemberRecord, lease: int) -> bool:
         """Rewrite the member record, only while its key is still on `lease`."""

@@ -32,6 +32,7 @@ workers need no address but etcd's.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +48,7 @@ from megatron_parcae.control.agent import ParcaeAgent
 from megatron_parcae.control.etcd.client import EtcdClient, EtcdUnavailable
 from megatron_parcae.control.etcd.keys import DoneRecord, JobStore, PlanEnvelope, SchemaError
 from megatron_parcae.control.etcd.store import EtcdStore
+from megatron_parcae.control.notices import build_watcher
 from reconfig.execute import (
     HeldState,
     MigrationError,
@@ -93,8 +95,12 @@ class LiveReconfiguration:
         prepare_device()
         self.args = args
         self.store = JobStore(client, args.parcae_job)
+        if args.parcae_worker_id is None:
+            args.parcae_worker_id = self._etcd("get a worker id", self.store.allocate_worker_id)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        notices = build_watcher(args.parcae_notice, args.parcae_metadata_endpoint) if local_rank == 0 else None
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
-                                 args.parcae_lease_seconds)
+                                 args.parcae_lease_seconds, args.parcae_instance, local_rank, notices)
         self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), process_group_backend(),
                            collective_timeout=collective_timeout(args), superseded=self._superseded)
         self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
