@@ -7,7 +7,8 @@ optimizer (empty plan cache) and times every `LiveputOptimizer.decide` call:
   table and cost constants, look-ahead 12;
 - 1,024 instances: the whole aws-p3 trace scaled to 1,024 instances, a GPT-1.5B layer profile
   (Parcae's per-layer measurements on a V100, global batch 1,024) through the analytic
-  1F1B model, which offers tensor, pipeline and data parallelism; look-ahead 12.
+  1F1B model over one-GPU instances (pipeline and data parallelism: a tensor-parallel
+  group may not cross an instance); look-ahead 12.
 
     python -m benchmarks.decision_time
 """

@@ -77,7 +77,11 @@ def _fail(args: list[str], world_size: int = 1) -> str:
     (["--tensor-model-parallel-size", "2"], 3, "world size 3"),
     (["--data-path", "data/no-such-dataset"], 1, "--data-path"),
     (["--async-save"], 1, "--async-save needs --save"),
-], ids=["heads", "layers", "global-batch", "world-size", "data-path", "async-save"])
+    (["--parcae", "--parcae-etcd", "127.0.0.1:1", "--parcae-job", "j", "--parcae-metadata-endpoint", "http://x"], 1,
+     "--parcae-metadata-endpoint needs --parcae-notice aws, gcp or azure"),
+    (["--parcae", "--parcae-etcd", "127.0.0.1:1", "--parcae-job", "j", "--parcae-notice", "aws",
+      "--parcae-metadata-endpoint", "ftp://x"], 1, "--parcae-metadata-endpoint: endpoint must look like http://"),
+], ids=["heads", "layers", "global-batch", "world-size", "data-path", "async-save", "endpoint-alone", "endpoint-url"])
 @pytest.mark.slow
 def test_bad_input_fails_in_one_line(tiny_data, args, world, flag):
     assert flag in _fail(["--config", "configs/gpt-tiny.yaml", *args], world)

@@ -18,6 +18,7 @@ import yaml
 
 from megatron_parcae.control.etcd.options import add_etcd_arguments, check_etcd_arguments
 from megatron_parcae.control.notices import SOURCES as NOTICE_SOURCES
+from megatron_parcae.control.notices.base import Endpoint
 from reconfig.layout import ModelShape, Parallelism, partition_layers
 
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
@@ -321,8 +322,12 @@ def _check_live_job(args: argparse.Namespace) -> None:
            f"--parcae-worker-id must be from 0 to 2^31-1, got {args.parcae_worker_id}")
     _check(args.parcae_instance is None or 0 < len(args.parcae_instance) <= 253,
            "--parcae-instance must be 1 to 253 characters")
-    _check(args.parcae_metadata_endpoint is None or args.parcae_notice in ("aws", "gcp", "azure"),
-           "--parcae-metadata-endpoint needs --parcae-notice aws, gcp or azure")
+    if args.parcae_metadata_endpoint is not None:
+        _check(args.parcae_notice in ("aws", "gcp", "azure"), "--parcae-metadata-endpoint needs --parcae-notice aws, gcp or azure")
+        try:
+            Endpoint(args.parcae_metadata_endpoint)
+        except ValueError as exc:
+            raise ArgumentError(f"--parcae-metadata-endpoint: {exc}") from None
     _check(args.parcae_grace_seconds >= 0, f"--parcae-grace-seconds must be >= 0, got {args.parcae_grace_seconds}")
     _check(args.parcae_lease_seconds > 0, f"--parcae-lease-seconds must be positive, got {args.parcae_lease_seconds}")
     try:
