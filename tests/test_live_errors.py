@@ -12,6 +12,7 @@ and no process on the machine may name the test's job, endpoint or work folder.
 from __future__ import annotations
 
 import os
+import signal
 import re
 import socket
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import REPO
+from helpers import REPO, wait_for
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 FAILURE_BUDGET_S = 10.0
@@ -290,3 +291,23 @@ def test_replay_stops_everything_when_a_worker_crashes_at_start(tmp_path):
     job = re.search(r"--job (\S+)", coordinator).group(1)
     endpoint = re.search(r"--etcd (\S+)", coordinator).group(1)
     assert_nothing_left([f], job, endpoint, str(workdir))
+
+
+@pytest.mark.slow
+def test_replay_stopped_by_sigterm_leaves_no_process(tmp_path):
+    # Instances of two processes: etcd, the coordinator, a torchrun and its two workers.
+    workdir = tmp_path / "replay"
+    watched = Watched([*PARCAE, "replay", "--trace", str(one_instance_trace(tmp_path)), "--max-instances", "1",
+                       "--gpus-per-instance", "2", "--speedup", "1", "--grace-seconds", "2", "--profile", str(PROFILE),
+                       "--workdir", str(workdir), "--", "scripts/pretrain_gpt.py", "--config", "configs/gpt-tiny.yaml"])
+    try:
+        wait_for(lambda: sum("pretrain_gpt.py" in c and "torch.distributed.run" not in c
+                             for _, c in list(watched.started.values())) == 2, 60, "both workers started")
+    finally:
+        watched.popen.send_signal(signal.SIGTERM)
+    f = watched.wait(timeout=FAILURE_BUDGET_S)
+    assert f.returncode == 130, f.stderr[-3000:]
+    assert f.stderr.strip().splitlines()[-1] == "parcae replay: interrupted; every process it started is stopped"
+    started = [c for _, c in f.started.values()]
+    assert any(" coordinator " in c for c in started) and any("etcd" in c for c in started), started
+    assert_nothing_left([f], str(workdir))

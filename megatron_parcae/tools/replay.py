@@ -232,7 +232,11 @@ class ParcaeJob:
         self._config_path = workdir / "coordinator.yaml"
         self._config_path.write_text(json.dumps(config, indent=1))  # JSON is YAML
         self._coordinators = 0
-        self.start_coordinator()
+        try:
+            self.start_coordinator()
+        except BaseException:
+            self._server.stop()
+            raise
 
     def start_coordinator(self) -> None:
         """Start `parcae coordinator` (again: it goes on from what etcd holds); it writes
@@ -581,10 +585,28 @@ def fresh_workdir(path: Path) -> None:
     (path / _MARKER).write_text("made by parcae replay; emptied by the next replay\n")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM or SIGHUP ends the replay as Ctrl-C does: the job's processes are stopped.
+    Further signals are ignored while that happens, so the clean-up is not cut short."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
+    prog = "parcae replay"
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        return _replay_and_compare(args, prog)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; every process it started is stopped", file=sys.stderr, flush=True)
+        return 130
+
+
+def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
     from predictor.traces import AvailabilityTrace, TraceFormatError
 
-    prog = "parcae replay"
     try:
         if args.max_instances < 1:
             raise ValueError("--max-instances must be at least 1")
