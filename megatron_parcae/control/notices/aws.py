@@ -75,27 +75,32 @@ class AwsWatcher(NoticeWatcher):
         return self._poll(lambda: self._check(on_hint), stop, self.poll_seconds)
 
     def _check(self, on_hint: Callable[[Notice], None]) -> Notice | None:
-        response = self._get(INSTANCE_ACTION_PATH)
-        if response is not None:
-            received_at = time.time()
-            document = response.json()
-            if not isinstance(document, dict):
-                raise Malformed("instance-action is not a JSON object")
+        found = self._document(INSTANCE_ACTION_PATH, "instance-action")
+        if found is not None:
+            document, received_at = found
             action = document.get("action")
             if not isinstance(action, str) or not (action.isascii() and action.isalpha() and len(action) <= 32):
                 raise Malformed("instance-action has no action word")
             return Notice(self.source, action, parse_time(document.get("time"), "instance-action time"), received_at)
         if not self._hinted:
-            response = self._get(REBALANCE_PATH)
-            if response is not None:
-                received_at = time.time()
-                document = response.json()
-                if not isinstance(document, dict):
-                    raise Malformed("rebalance recommendation is not a JSON object")
+            found = self._document(REBALANCE_PATH, "rebalance recommendation")
+            if found is not None:
+                document, received_at = found
                 issued = parse_time(document.get("noticeTime"), "rebalance noticeTime")
                 self._hinted = True
                 on_hint(Notice(self.source, "rebalance", issued, received_at))
         return None
+
+    def _document(self, path: str, what: str) -> tuple[dict, float] | None:
+        """The JSON object at `path` and when it was read; None while it is absent (404)."""
+        response = self._get(path)
+        if response is None:
+            return None
+        received_at = time.time()
+        document = response.json()
+        if not isinstance(document, dict):
+            raise Malformed(f"{what} is not a JSON object")
+        return document, received_at
 
     def _new_token(self, timeout: float = REQUEST_TIMEOUT_S) -> str:
         headers = {"X-aws-ec2-metadata-token-ttl-seconds": str(TOKEN_TTL_S)}
