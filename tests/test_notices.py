@@ -185,10 +185,11 @@ class FakeGcp(FakeService):
 
 
 class FakeAzure(FakeService):
-    """Azure IMDS: Scheduled Events and the versions list, `Metadata: true` required."""
+    """Azure IMDS: Scheduled Events, the VM's name and the versions list, `Metadata: true` required."""
 
     def __init__(self, port: int = 0) -> None:
         self.document: bytes | dict = {"DocumentIncarnation": 0, "Events": []}
+        self.vm_name = "vm-a"
         super().__init__(port)
 
     def schedule(self, *events: dict) -> None:
@@ -211,6 +212,11 @@ class FakeAzure(FakeService):
             if url.path == "/metadata/versions":
                 return self.reply(200, b'{"apiVersions": ["2019-08-01", "2020-07-01", "2021-02-01"]}',
                                   "application/json")
+            if url.path == "/metadata/instance/compute/name":
+                query = urllib.parse.parse_qs(url.query)
+                if query.get("format") != ["text"] or query.get("api-version") != ["2021-02-01"]:
+                    return self.reply(400)
+                return self.reply(200, self.fake.vm_name.encode(), "text/plain")
             if url.path != AZURE_EVENTS:
                 return self.reply(404)
             if urllib.parse.parse_qs(url.query).get("api-version") not in (["2019-08-01"], ["2020-07-01"]):
@@ -420,14 +426,15 @@ def test_gcp_sees_a_preemption_that_came_before_it_started(fakes, watching):
 
 def test_azure_counts_only_preempt_events_of_its_vm(fakes, watching):
     azure = fakes(FakeAzure)
+    azure.vm_name = "vm-b"  # what a watcher given no name learns from the service
     deadline = int(time.time()) + 30
     not_before = email.utils.formatdate(deadline, usegmt=True)  # "Mon, 19 Sep 2016 18:29:47 GMT"
     mine = watching(AzureWatcher(azure.url, poll_seconds=POLL_S, vm_name="vm-a"))
-    anyone = watching(AzureWatcher(azure.url, poll_seconds=POLL_S))
+    learned = watching(AzureWatcher(azure.url, poll_seconds=POLL_S))
     wait_for(lambda: azure.served("GET", AZURE_EVENTS) >= 4, 10, "polls of an empty document")
     marked_at = time.monotonic()
     azure.schedule(preempt_event("vm-a", not_before, "Freeze"), preempt_event("vm-b", not_before))
-    notice = delivered_once(*anyone, marked_at)
+    notice = delivered_once(*learned, marked_at)
     assert (notice.source, notice.action, notice.deadline) == ("azure", "preempt", float(deadline))
     served = azure.served("GET", AZURE_EVENTS)
     wait_for(lambda: azure.served("GET", AZURE_EVENTS) >= served + 3, 10, "vm-a's watcher polling on")
@@ -435,6 +442,21 @@ def test_azure_counts_only_preempt_events_of_its_vm(fakes, watching):
     marked_at = time.monotonic()
     azure.schedule(preempt_event("vm-b", not_before), preempt_event("vm-a", not_before))
     assert delivered_once(*mine, marked_at).deadline == deadline
+
+
+def test_azure_watcher_learns_its_vm_name_and_ignores_other_vms(fakes, watching):
+    azure = fakes(FakeAzure)
+    azure.vm_name = "vm-b"
+    deadline = int(time.time()) + 30
+    not_before = email.utils.formatdate(deadline, usegmt=True)
+    recorder, thread = watching(AzureWatcher(azure.url, poll_seconds=POLL_S))
+    azure.schedule(preempt_event("vm-a", not_before))  # a neighbour in the scale set
+    served = azure.served("GET", AZURE_EVENTS)
+    wait_for(lambda: azure.served("GET", AZURE_EVENTS) >= served + 3, 10, "polls of a neighbour's eviction")
+    assert not recorder.notices and azure.served("GET", "/metadata/instance/compute/name") == 1
+    marked_at = time.monotonic()
+    azure.schedule(preempt_event("vm-a", not_before), preempt_event("vm-b", not_before))
+    assert delivered_once(recorder, thread, marked_at).deadline == deadline
 
 
 def test_azure_started_preemption_has_no_not_before(fakes, watching):

@@ -10,8 +10,10 @@ metadata service.
   freeze, terminate of a scale set). `NotBefore` (RFC 1123) is the deadline; it is empty
   once the event has started, and then the deadline is now. A spot VM gets at least
   30 seconds.
-- The document lists the events of every VM in the availability set or scale set; a
-  watcher given `vm_name` only counts events whose `Resources` include it.
+- The document lists the events of every VM in the availability set or scale set, so a
+  watcher only counts events whose `Resources` include its VM's name: `vm_name`, or
+  what `GET /metadata/instance/compute/name?api-version=2021-02-01&format=text` (same
+  header) answers, asked once before the first poll.
 - The first request enables Scheduled Events on the VM and may take up to two minutes;
   until then requests time out and are retried.
 - `GET /metadata/versions` (same header) answers `{"apiVersions": [...]}` at once: the
@@ -32,6 +34,7 @@ from megatron_parcae.control.notices.base import POLL_SECONDS, Malformed, Notice
 ENDPOINT = "http://169.254.169.254"
 EVENTS_PATH = "/metadata/scheduledevents?api-version=2020-07-01"
 VERSIONS_PATH = "/metadata/versions"
+NAME_PATH = "/metadata/instance/compute/name?api-version=2021-02-01&format=text"
 HEADERS = {"Metadata": "true"}
 
 
@@ -68,7 +71,18 @@ class AzureWatcher(NoticeWatcher):
     def _wait_for_notice(self, stop: threading.Event, on_hint: Callable[[Notice], None]) -> Notice | None:
         return self._poll(self._check, stop, self.poll_seconds)
 
+    def _own_name(self) -> str:
+        response = self.endpoint.request("GET", NAME_PATH, HEADERS)
+        if response.status != 200:
+            raise Unavailable(f"GET {NAME_PATH} answered {response.status}")
+        name = response.body.decode("utf-8", "replace").strip()
+        if not name or len(name) > 64 or not name.isprintable():
+            raise Malformed("the VM's name is empty, too long or not printable")
+        return name
+
     def _check(self) -> Notice | None:
+        if self.vm_name is None:
+            self.vm_name = self._own_name()
         response = self.endpoint.request("GET", EVENTS_PATH, HEADERS)
         received_at = time.time()
         if response.status != 200:
@@ -88,6 +102,6 @@ class AzureWatcher(NoticeWatcher):
             resources = event.get("Resources")
             if not isinstance(resources, list) or not all(isinstance(name, str) for name in resources):
                 raise Malformed("a Preempt event's Resources is not a list of strings")
-            if self.vm_name is None or self.vm_name in resources:
+            if self.vm_name in resources:
                 deadlines.append(parse_not_before(event.get("NotBefore"), received_at))
         return Notice(self.source, "preempt", min(deadlines), received_at) if deadlines else None
