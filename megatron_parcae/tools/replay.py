@@ -319,14 +319,13 @@ class ParcaeJob:
         return code == 0
 
     def stop(self) -> None:
-        """The replay is over: everything still running is killed; what was trained counts."""
-        self._coordinator.signal(signal.SIGTERM)
-        try:
-            self._coordinator.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            self._coordinator.kill()
-        for p in self._workers.values():
-            p.kill()
+        """The replay is over: everything still running is killed at once (its etcd goes
+        too, so nothing needs a graceful exit); what was trained counts."""
+        processes = [self._coordinator, *self._workers.values()]
+        for p in processes:
+            p.signal(signal.SIGKILL)
+        for p in processes:
+            p.popen.wait()
         self._server.stop()
         self.log.poll()
 
