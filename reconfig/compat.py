@@ -12,10 +12,15 @@ against the installed versions.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
+import multiprocessing
 import re
+import signal
+import sys
 from dataclasses import dataclass
+from multiprocessing.managers import SyncManager
 
 # Inclusive (major, minor) ranges every reach below was verified on: torch from
 # megatron-core 0.16's own floor (2.6) to 2.15, checked in the sources of 2.6, 2.13,
@@ -25,6 +30,7 @@ _VERSION_MODULE = {"torch": "torch", "megatron-core": "megatron.core.package_inf
 
 # parallel_state's module state is every global named like this: groups, rank lists,
 # cached sizes and ranks. Each is None at import, except one dict of groups.
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PARALLEL_STATE_GLOBAL = re.compile(r"^_[A-Z][A-Z0-9_]*$")
 # The globals destroy_model_parallel leaves stale in 0.16 (reset by reset_parallel_state).
 _STALE_AFTER_DESTROY = ("_EMBEDDING_GLOBAL_RANKS", "_PIPELINE_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS",
@@ -168,8 +174,27 @@ def reset_parallel_state() -> None:
 
 def write_results_queue():
     """megatron-core's per-process queue of async checkpoint write results (None until
-    the first async save)."""
+    the first save or `install_write_results_queue`)."""
     return WRITE_RESULTS_QUEUE.get()
+
+
+def install_write_results_queue() -> None:
+    """Give megatron-core that queue now, served by a manager process that ignores SIGTERM
+    and SIGINT and dies with this process. megatron-core makes it on the first save with
+    a plain manager in this process's group: a preemption notice sent to the group kills
+    it mid-save (the save fails), and a trainer killed outright leaves it behind."""
+    if WRITE_RESULTS_QUEUE.get() is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=_serve_until_parent_dies)
+    WRITE_RESULTS_QUEUE.set(manager.Queue())  # the queue's proxy keeps the manager alive
+
+
+def _serve_until_parent_dies() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def install_rng_tracker(tracker: object) -> None:

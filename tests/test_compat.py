@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import re
+import signal
+import subprocess
+import sys
 
+import psutil
 import pytest
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import random as mcore_random
 
+from helpers import REPO
 from reconfig import compat, world
 
 
@@ -96,3 +102,36 @@ def test_write_results_queue_is_none_or_a_queue():
 ])
 def test_distributed_optimizer_methods_take_what_compat_passes(method, parameters):
     assert list(inspect.signature(getattr(DistributedOptimizer, method)).parameters) == parameters
+
+
+_QUEUE_UNDER_NOTICE = """
+import os, signal, sys
+from reconfig import compat
+signal.signal(signal.SIGTERM, lambda *_: None)  # the trainer hears the notice and goes on
+compat.install_write_results_queue()
+results = compat.write_results_queue()
+print(os.getpgid(0), flush=True)
+sys.stdin.readline()  # the test signals the whole process group meanwhile
+results.put("written")
+print(results.get(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.slow
+def test_checkpoint_results_queue_survives_a_notice_and_dies_with_the_trainer():
+    trainer = subprocess.Popen([sys.executable, "-c", _QUEUE_UNDER_NOTICE], cwd=REPO, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        group = int(trainer.stdout.readline())
+        manager = next(p for p in psutil.Process(trainer.pid).children() if "multiprocessing" in " ".join(p.cmdline()))
+        os.killpg(group, signal.SIGTERM)  # as a cloud or torchrun notifies a process group
+        trainer.stdin.write("\n")
+        trainer.stdin.flush()
+        assert trainer.stdout.readline().strip() == "written"
+        trainer.kill()
+        trainer.wait()
+        manager.wait(timeout=10)  # gone with its trainer, not orphaned
+    finally:
+        trainer.kill()
+        trainer.wait()

@@ -97,6 +97,8 @@ class Checkpointer:
     def __init__(self, root: str | None, asynchronous: bool) -> None:
         self.root = root
         self.asynchronous = asynchronous
+        if root is not None:
+            compat.install_write_results_queue()
         self.newest: int | None = None  # the iteration of the last save this process completed
         # A queue per save: megatron-core checks that all ranks count their saves alike,
         # and the ranks of a layout have not all saved the same number of times before.
