@@ -9,6 +9,7 @@ G = 1, where every worker is its own instance.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,17 +39,10 @@ class Placement:
                 raise ValueError(f"placement.instances[{worker}]: expected an instance name, got {instance!r}")
             checked[worker] = instance
         object.__setattr__(self, "instance_of", checked)
-        crowded = [i for i, n in self._counts(checked.values()).items() if n > g]
+        crowded = [i for i, n in Counter(checked.values()).items() if n > g]
         if crowded:
             raise ValueError(f"placement: instance(s) {', '.join(sorted(crowded))} run more than "
                              f"{g} workers (gpus_per_instance)")
-
-    @staticmethod
-    def _counts(instances: Iterable[str]) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for instance in instances:
-            counts[instance] = counts.get(instance, 0) + 1
-        return counts
 
     def instance(self, worker: int) -> str:
         """The worker's instance; a worker the placement does not name is its own."""
@@ -61,8 +55,12 @@ class Placement:
             found.setdefault(self.instance(worker), []).append(worker)
         return found
 
-    def instance_count(self, workers: Iterable[int]) -> int:
-        return len(self.instances(workers))
+    def capacity(self, workers: Iterable[int]) -> int:
+        """The most ranks a layout can place on `workers`: a whole block on each instance
+        with G of them, and of the others only the fullest, for the last, short block."""
+        g = self.gpus_per_instance
+        sizes = [len(found) for found in self.instances(workers).values()]
+        return g * sum(n == g for n in sizes) + max((n for n in sizes if n < g), default=0)
 
     def fits(self, parallelism: Parallelism) -> bool:
         """Whether `parallelism`'s tensor-parallel groups can stay inside instances."""

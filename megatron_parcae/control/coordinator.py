@@ -345,7 +345,7 @@ class Coordinator:
         """How many instances `workers` run on: what forecasts count."""
         if self._config.gpus_per_instance == 1:
             return len(workers)
-        return len({self._instance_of.get(w, f"worker-{w}") for w in workers})
+        return len({self._instance_of.get(w, w) for w in workers})  # an unknown worker: its own
 
     def _close_intervals(self, available: frozenset[int], now: float) -> bool:
         """Record every interval that ended by `now`; True if any did.
@@ -378,15 +378,15 @@ class Coordinator:
         restarted = frozenset(w for w in in_layout & frozenset(members)
                               if w in self._admitted and self._admitted[w] != _process(members[w]))
         placement = self._placement(members, in_layout)
-        unplaced = frozenset(members) - frozenset(placement.instance_of) if placement is not ONE_GPU else frozenset()
         expired = frozenset(w for w, n in notices.items() if n.deadline <= now)
-        noticed = frozenset(notices)
+        noticed, unplaced = frozenset(notices), frozenset()
         if placement is not ONE_GPU:  # a notice, or a loss, concerns the whole instance
             going = {placement.instance(w) for w in noticed}
             going |= {placement.instance(w) for w in in_layout - frozenset(members)}
             deadlines = {placement.instance(w): n.deadline for w, n in notices.items()}
             noticed = frozenset(w for w in members if placement.instance(w) in going)
             expired = frozenset(w for w in noticed if deadlines.get(placement.instance(w), now) <= now)
+            unplaced = frozenset(members) - frozenset(placement.instance_of)
             unplaced |= self._arriving(members, placement, in_layout, now)
         available = frozenset(members) - noticed - restarted - unplaced
         leaving = (noticed - expired - restarted) & in_layout
@@ -415,8 +415,9 @@ class Coordinator:
             self._instance_of[worker] = member.instance
         placed: dict[int, str] = {}
         counts: dict[str, int] = {}
-        for worker in sorted(frozenset(members) | in_layout):
-            instance = self._instance_of.get(worker, f"worker-{worker}")
+        # A lost worker whose instance this coordinator never saw stays its own instance.
+        for worker in sorted((frozenset(members) | in_layout) & self._instance_of.keys()):
+            instance = self._instance_of[worker]
             if counts.get(instance, 0) < g:
                 counts[instance] = counts.get(instance, 0) + 1
                 placed[worker] = instance

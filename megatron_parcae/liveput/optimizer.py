@@ -138,14 +138,6 @@ class LiveputOptimizer:
             found = self._top[workers] = tuple(fits[:self.candidates])
         return found
 
-    def _capacity(self, placement: Placement, available: frozenset[int]) -> tuple[int, int]:
-        """(instances, most workers a layout can have) of `available`: ranks go to instances
-        in blocks of G, so of the instances short of G workers only one, the fullest, can
-        hold a (the last, short) block."""
-        g = self.gpus_per_instance
-        sizes = [len(workers) for workers in placement.instances(available).values()]
-        return len(sizes), g * sum(n == g for n in sizes) + max((n for n in sizes if n < g), default=0)
-
     def _floor(self, old: int, new: int) -> float:
         """scenarios.change_floor by index (old -1: from any layout)."""
         found = self._floors.get((old, new))
@@ -203,7 +195,7 @@ class LiveputOptimizer:
                         else self.scenarios.change_floor(current.parallelism, p)), False
             return self.scenarios.change_cost(current, lost, leaving, p).seconds, True
 
-        instances, capacity = self._capacity(placement, available)
+        instances, capacity = len(placement.instances(available)), placement.capacity(available)
         first = set(self._top_indices(capacity))
         if running is not None and current.parallelism.world_size <= capacity:
             first.add(running)

@@ -25,7 +25,6 @@ back to the full count.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -233,8 +232,7 @@ class ScenarioCosts:
         survivors = frozenset(range(old.world_size)) - lost_ranks - leaving_ranks
         gone = {r // g for r in lost_ranks | leaving_ranks}
         spares = frozenset() if used - 1 in gone else frozenset(range(old.world_size, used * g))
-        sizes = Counter(w // g for w in survivors | spares).values()
-        capacity = g * sum(n == g for n in sizes) + max((n for n in sizes if n < g), default=0)
+        capacity = canonical_placement(g, used * g).capacity(survivors | spares)
         fresh = max(0, -(-(target.world_size - capacity) // g))
         joining = spares | frozenset(range(used * g, (used + fresh) * g))
         request = MigrationRequest(layout, survivors, frozenset(leaving_ranks), joining,

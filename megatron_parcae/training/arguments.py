@@ -17,7 +17,7 @@ from typing import Any, Callable, NoReturn, Sequence
 import yaml
 
 from megatron_parcae.control.etcd.options import add_etcd_arguments, check_etcd_arguments
-from megatron_parcae.control.notices import SOURCES as NOTICE_SOURCES
+from megatron_parcae.control.notices import SOURCES as NOTICE_SOURCES, WATCHERS as NOTICE_WATCHERS
 from megatron_parcae.control.notices.base import Endpoint
 from reconfig.layout import ModelShape, Parallelism, partition_layers
 
@@ -323,7 +323,9 @@ def _check_live_job(args: argparse.Namespace) -> None:
     _check(args.parcae_instance is None or 0 < len(args.parcae_instance) <= 253,
            "--parcae-instance must be 1 to 253 characters")
     if args.parcae_metadata_endpoint is not None:
-        _check(args.parcae_notice in ("aws", "gcp", "azure"), "--parcae-metadata-endpoint needs --parcae-notice aws, gcp or azure")
+        _check(args.parcae_notice in NOTICE_WATCHERS,
+               f"--parcae-metadata-endpoint needs --parcae-notice {', '.join(list(NOTICE_WATCHERS)[:-1])} "
+               f"or {list(NOTICE_WATCHERS)[-1]}")
         try:
             Endpoint(args.parcae_metadata_endpoint)
         except ValueError as exc:
