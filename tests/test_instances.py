@@ -212,20 +212,14 @@ def test_plan_answers_in_instances(tmp_path, capsys):
 @pytest.mark.slow
 def test_liveput_on_instances_of_four_gpus_stays_near_ideal():
     """Parcae's four aws-p3 segments with instances of 4 GPUs (up to 128 GPUs, T up to 4):
-    benchmarks/results/simulate_g4.txt. Measured: 93.5% (hh), 96.4% (hl), 93.8% (lh) and
-    98.1% (ll) of ideal, 95.4% over the four; Parcae's own at one GPU per instance is
-    93.8%, 93.3%, 92.5% and 98.2%. What keeps hh and lh under 95% is creating process
-    groups: with T = 4 megatron-core has about 5 times the groups, each at Parcae's per-group
-    time (the cold start alone is 48.5 s of them on 128 GPUs)."""
-    samples = {"ideal": 0.0, "parcae": 0.0}
+    benchmarks/results/simulate_g4.txt. Measured: 97.8% (hh), 98.3% (hl), 97.4% (lh) and
+    99.3% (ll) of ideal; Parcae's own at one GPU per instance is 93.8%, 93.3%, 92.5% and
+    98.2%."""
     for start, end in SEGMENTS.values():
         replay = Replay.load(P3, CONSTANTS.interval_seconds, start, end)
         stack = build_liveput(H100_TP, CONSTANTS, lookahead=8, distributed_optimizer=False,
                               max_workers=int(replay.counts.max()) * 4, gpus_per_instance=4)
         sim = Simulation(replay, stack)
         ideal, reactive, liveput = (sim.run(p) for p in ("ideal", "throughput", "parcae"))
-        assert reactive.samples < liveput.samples and liveput.samples >= 0.93 * ideal.samples
+        assert reactive.samples < liveput.samples and liveput.samples >= 0.95 * ideal.samples
         assert all(p is None or 4 % p.tp == 0 for p in liveput.layouts)
-        samples["ideal"] += ideal.samples
-        samples["parcae"] += liveput.samples
-    assert samples["parcae"] >= 0.95 * samples["ideal"]

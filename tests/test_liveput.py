@@ -14,16 +14,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants, CostConstantsError, MigrationCostModel
+from megatron.core.parallel_state import RankGenerator, default_embedding_ranks
+
+from megatron_parcae.liveput.cost import (
+    DEFAULT_CONSTANTS,
+    CostConstants,
+    CostConstantsError,
+    MigrationCostModel,
+    rank_groups,
+)
 from megatron_parcae.liveput.optimizer import OVERRUN_GRID, LiveputOptimizer, outlook, overrun
 from megatron_parcae.liveput.scenarios import (
     ScenarioCosts,
     StepOutlook,
+    instances_used,
     preemption_distribution,
     victims_distribution,
     wipe_probability,
 )
-from megatron_parcae.liveput.throughput import PipelineModel, ProfileError, ProfileTable
+from megatron_parcae.liveput.throughput import OnInstances, PipelineModel, ProfileError, ProfileTable
 from predictor.forecast import AvailabilityForecast
 from reconfig.layout import Layout, ModelShape, Parallelism, balanced_partition
 from reconfig.plan import MigrationRequest, plan_migration
@@ -169,6 +178,48 @@ def test_lost_stage_without_notice_means_restart():
     assert not with_notice.restart and with_notice.seconds < cost.seconds
 
 
+def megatron_groups(p: Parallelism) -> list[list[int]]:
+    """The groups a training step of `p` communicates over, as megatron-core's
+    initialize_model_parallel forms them (its rank generator, its default order)."""
+    ranks = RankGenerator(tp=p.tp, ep=1, dp=p.dp, pp=p.pp, cp=1, order="tp-cp-ep-dp-pp")
+    pipelines = ranks.get_ranks("pp")
+    return [*ranks.get_ranks("tp"), *pipelines, *ranks.get_ranks("dp"), *map(default_embedding_ranks, pipelines),
+            *ranks.get_ranks("tp-pp"), list(range(p.world_size))]
+
+
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.data())
+@settings(max_examples=60, deadline=None)
+def test_each_rank_counts_the_groups_megatron_core_puts_it_in(tp, pp, dp, data):
+    p = Parallelism(tp, pp, dp, balanced_partition(8, pp))
+    joined = np.array(data.draw(st.lists(st.booleans(), min_size=p.world_size, max_size=p.world_size)), dtype=bool)
+    groups = [g for g in megatron_groups(p) if len(g) > 1]
+    counts, with_new = rank_groups(p, joined)
+    for rank in range(p.world_size):
+        mine = [g for g in groups if rank in g]
+        assert counts[rank] == len(mine)
+        assert with_new[rank] == sum(bool(joined[g].any()) for g in mine)
+
+
+def test_groups_form_side_by_side_so_the_slowest_rank_sets_the_time():
+    """A rank creates the communicators of its own groups, one after another; those of
+    other ranks form at the same time, so more replicas take no longer."""
+    costs = MigrationCostModel(CONSTANTS, GPT_1_5B)
+    new, old = CONSTANTS.group_create_seconds_with_new_worker, CONSTANTS.group_create_seconds_survivors_only
+    for dp in (2, 4, 16):
+        p = Parallelism(4, 8, dp, balanced_partition(48, 8))
+        # a first-stage rank: tensor-, pipeline-, data-parallel, embedding, model-parallel groups and the world
+        assert costs.groups_seconds(p, np.ones(p.world_size, dtype=bool)) == pytest.approx(6 * new)
+        assert costs.groups_seconds(p, np.zeros(p.world_size, dtype=bool)) == pytest.approx(6 * old)
+    one_gpu = Parallelism(1, 8, 4, balanced_partition(48, 8))
+    assert costs.restart_cost(one_gpu, joining=True, cold=True).groups_seconds == pytest.approx(5 * new)
+    p = Parallelism(1, 3, 2, (16, 16, 16))  # rank = replica + 2 * stage
+    # a worker joins the middle stage: no embedding group, its four others form with a new peer; a
+    # first-stage rank of its pipeline has five groups, but only three hold the newcomer
+    joined = np.arange(6) == 2
+    assert costs.groups_seconds(p, joined) == pytest.approx(4 * new)
+    assert costs.groups_seconds(p, np.arange(6) == 0) == pytest.approx(5 * new)
+
+
 # ---- scenarios ------------------------------------------------------------------------------
 
 @given(st.integers(1, 40), st.integers(0, 40), st.integers(0, 40))
@@ -191,6 +242,23 @@ def test_wipe_probability_matches_sampling():
         hits += any(count == replicas for count in counts)
     assert wipe_probability(columns, replicas, victims) == pytest.approx(hits / trials, abs=0.015)
     assert wipe_probability(4, 3, 2) == 0.0
+
+
+@pytest.mark.parametrize("gpus, grace", [(1, 120), (2, 120), (2, 0)])
+def test_change_floor_is_below_every_priced_change(gpus, grace):
+    """The optimizer skips a change by its floor, so no priced change may cost less."""
+    sizes = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 2),
+             (1, 4, 2), (2, 4, 1)]
+    table = OnInstances(ProfileTable({key: float(i + 1) for i, key in enumerate(sizes)}, "tiny", 12, TINY), gpus)
+    constants = dataclasses.replace(CONSTANTS, grace_period_seconds=grace)
+    scenarios = ScenarioCosts(table, MigrationCostModel(constants, TINY), gpus)
+    for old, new in itertools.product(table.layouts(), repeat=2):
+        floor = scenarios.change_floor(old, new)
+        assert scenarios.change_floor(None, new) <= floor
+        used = instances_used(old, gpus)
+        for instances, preempted in itertools.product((used, used + 1), range(used + 1)):
+            if old != new or (preempted and instances == used):  # staying costs nothing unless hit
+                assert scenarios.preempted_seconds(old, new, instances, preempted) >= floor - 1e-9
 
 
 def test_preemption_distribution():

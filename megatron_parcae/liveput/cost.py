@@ -10,13 +10,17 @@ planner's `MigrationPlan` says who moves which bytes, and the time is
   background while training goes on, and the coordinator admits only registered
   workers, at an iteration boundary (Parcae's `rendezvous_seconds`, its torchelastic
   rendezvous, is paid by restarts only);
-- process groups: every communicating group of the new layout (tensor-, pipeline-,
-  data-parallel and embedding groups, the world; see `group_membership`) is created
-  again (the executor rebuilds megatron-core's parallel_state), at
-  `group_create_seconds_with_new_worker` when it holds a worker that joins (new NCCL
-  peers), `group_create_seconds_survivors_only` otherwise. Parcae counts D + P + 1 + D*P
-  groups of its DeepSpeed engine; megatron-core communicates over fewer (no group per
-  pair of adjacent stages, none of one rank);
+- process groups: the executor rebuilds megatron-core's parallel_state, and each rank
+  creates the NCCL communicators of the groups it belongs to (see `rank_groups`), one
+  after another, at `group_create_seconds_with_new_worker` for a group holding a worker
+  that joins (new NCCL peers), `group_create_seconds_survivors_only` otherwise. Groups of
+  other ranks cost it nothing: with no device bound to WORLD (reconfig/world.py binds
+  none), torch's new_group returns at once on a non-member, and a group's communicators
+  form among its members only (NCCL's at the group's first collective; no barrier over
+  the world unless TORCH_DIST_INIT_BARRIER=1), so disjoint groups form side by side and
+  the rank whose groups take longest sets the time. Parcae's artifact charges every
+  group of the job one after another (D + P + 1 + D*P of its DeepSpeed engine); only
+  `reactive_restart_cost`, its baseline, is priced that way;
 - model build: a worker whose stage or TP rank changes builds its new model chunk,
   `model_build_seconds_per_param` per transformer-layer parameter it holds (Parcae's
   build time is per layer; embeddings are single tensors, cheap to allocate); workers
@@ -38,8 +42,8 @@ lost rank's place, or D shrinks) costs only the world and its groups.
 
 Checkpoint restart (`restart_cost`), what is left when state is lost (a stage with no
 live replica and no notice, or a leaving worker that cannot send its state within the
-grace period): processes start again, rendezvous (when workers join), every group is
-created, every worker builds its stage, the checkpoint is saved and loaded
+grace period): processes start again, rendezvous (when workers join), the groups are
+created (as above), every worker builds its stage, the checkpoint is saved and loaded
 (`checkpoint_save_load_seconds`) and every worker reads its stage's state through its
 own link, all in parallel (megatron-core's distributed checkpoint, from storage that
 serves them all at once). A cold start (the job starts, or a replay starts mid-trace as
@@ -192,27 +196,31 @@ class MigrationCost:
 NO_COST = MigrationCost(0.0, 0.0, 0.0, 0.0)
 
 
-def group_membership(parallelism: Parallelism, joined: np.ndarray) -> tuple[int, int]:
-    """(groups, groups holding a joined rank) of megatron-core's communicating groups.
+def rank_groups(parallelism: Parallelism, joined: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: (megatron-core groups it communicates over, of them holding a joined rank).
 
-    Counted: tensor-, pipeline- and data-parallel groups, the embedding groups (first and
-    last stage of each pipeline, which all-reduce the tied embedding's gradient) and the
-    world; groups of one rank are not, as they never create an NCCL communicator
-    (megatron-core skips collectives over them). `joined[r]`: rank r's worker joins.
+    Counted: its tensor-, pipeline- and data-parallel groups, its embedding group (first
+    and last stage of a pipeline all-reduce the tied embedding's gradient), its
+    model-parallel group (T x P ranks: the gradient norm of clipping) and the world; groups
+    of one rank are not, as they never create an NCCL communicator. `joined[r]`: rank r's
+    worker joins.
     """
     T, P, D = parallelism.tp, parallelism.pp, parallelism.dp
     grid = joined.reshape(P, D, T)  # rank = t + T * (d + D * p)
-    total = with_new = 0
-    for size, count, holds_new in (
-            (T, P * D, lambda: grid.any(axis=2).sum()),  # tensor-parallel: one per (stage, replica)
-            (P, T * D, lambda: grid.any(axis=0).sum()),  # pipeline: one per (replica, tp rank)
-            (D, T * P, lambda: grid.any(axis=1).sum()),  # data-parallel: one per (stage, tp rank)
-            (2 if P > 1 else 1, T * D, lambda: (grid[0] | grid[-1]).sum()),  # embedding: first + last stage
-            (T * P * D, 1, lambda: grid.any())):  # the world
-        if size > 1:
-            total += count
-            with_new += int(holds_new())
-    return total, with_new
+    first_or_last = np.zeros((P, 1, 1), dtype=bool)
+    first_or_last[[0, -1]] = P > 1
+    groups = np.zeros((P, D, T), dtype=int)
+    with_new = np.zeros((P, D, T), dtype=int)
+    for exists, holds_new in (
+            (T > 1, grid.any(axis=2, keepdims=True)),  # tensor-parallel: one (stage, replica)
+            (P > 1, grid.any(axis=0, keepdims=True)),  # pipeline: one (replica, tp rank)
+            (D > 1, grid.any(axis=1, keepdims=True)),  # data-parallel: one (stage, tp rank)
+            (first_or_last, (grid[0] | grid[-1])[None]),  # embedding: first + last stage
+            (T * P > 1, grid.any(axis=(0, 2), keepdims=True)),  # model-parallel: one replica
+            (T * P * D > 1, grid.any(keepdims=True))):  # the world
+        groups += exists
+        with_new += exists & holds_new
+    return groups.ravel(), with_new.ravel()
 
 
 class MigrationCostModel:
@@ -235,10 +243,12 @@ class MigrationCostModel:
         return params
 
     def groups_seconds(self, parallelism: Parallelism, joined: np.ndarray) -> float:
+        """Seconds until every rank has its groups: the slowest rank's, as ranks form
+        their own groups one after another and disjoint groups at once."""
         c = self.constants
-        total, with_new = group_membership(parallelism, joined)
-        return (with_new * c.group_create_seconds_with_new_worker
-                + (total - with_new) * c.group_create_seconds_survivors_only)
+        groups, with_new = rank_groups(parallelism, joined)
+        return float((with_new * c.group_create_seconds_with_new_worker
+                      + (groups - with_new) * c.group_create_seconds_survivors_only).max())
 
     def plan_cost(self, plan: MigrationPlan) -> MigrationCost:
         """Cost of carrying out `plan` in place; a restart when the grace period is too short."""

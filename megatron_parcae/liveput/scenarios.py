@@ -17,9 +17,9 @@ layouts (workers 0..W-1 in rank order, worker w on instance w // G, the j lost b
 spread over distinct stage columns and pipelines, arrivals as new instances), priced by
 `MigrationCostModel`. Plans are cached by (old layout, new layout, lost slots, notice):
 layouts repeat from one decision to the next. Layouts of more than `PLAN_WORKERS_LIMIT`
-workers are planned with fewer data-parallel replicas (per-worker bytes, which set the
-time, do not depend on D when both sides scale alike); their group creation is scaled
-back to the full count.
+workers are planned with fewer data-parallel replicas: per-worker bytes, which set the
+time, do not depend on D when both sides scale alike, nor do a rank's groups while D
+stays above 1.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from megatron_parcae.liveput.cost import MigrationCost, MigrationCostModel, group_membership
+from megatron_parcae.liveput.cost import MigrationCost, MigrationCostModel, rank_groups
 from megatron_parcae.liveput.throughput import ThroughputModel
 from reconfig.layout import Layout, Parallelism
 from reconfig.placement import Placement
@@ -263,13 +263,7 @@ class ScenarioCosts:
         if cost is None:
             ranks = frozenset(spread_victims(small_old, small_victims, self.gpus_per_instance))
             lost, leaving = (frozenset(), ranks) if self._with_notice else (ranks, frozenset())
-            cost = self._plan_cost(small_old, lost, leaving, small_new)
-            if small_new != new and not cost.restart:
-                full, _ = group_membership(new, np.zeros(new.world_size, dtype=bool))
-                small, _ = group_membership(small_new, np.zeros(small_new.world_size, dtype=bool))
-                cost = MigrationCost(cost.world_seconds, cost.groups_seconds * full / small, cost.build_seconds,
-                                     cost.transfer_seconds)
-            self._cache[key] = cost
+            cost = self._cache[key] = self._plan_cost(small_old, lost, leaving, small_new)
         self._cache[full_key] = cost
         return cost
 
@@ -309,21 +303,21 @@ class ScenarioCosts:
 
     def change_floor(self, old: Parallelism | None, new: Parallelism) -> float:
         """A bound below the cost of changing `old` to `new` (any old when None), from the
-        layouts alone, so no plan is needed. Any change creates the world and every group
-        again, at the cheaper group rate. With the same T, each worker of a new stage
+        layouts alone, so no plan is needed. Any change creates the world and every rank's
+        groups again, at the cheaper group rate. With the same T, each worker of a new stage
         receives at least what the best-overlapping old stage lacks of it. A larger layout
-        takes in new workers: each receives a whole stage, and the groups holding them are
-        created at the new-worker rate (counted for planned sizes only). Bytes take the
-        network, or the faster of it and the instance's own links when an instance has
-        several GPUs."""
+        takes in new workers: each receives a whole stage, and creates each of its groups
+        at the new-worker rate (counted for planned sizes only: a reduced plan may take in
+        none). Bytes take the network, or the faster of it and the instance's own links
+        when an instance has several GPUs."""
         key = (old, new)
         floor = self._floors.get(key)
         if floor is not None:
             return floor
         c, shape, width = self.costs.constants, self.costs.shape, self.costs.shape.state_bytes_per_param
         slow, fast = sorted((c.group_create_seconds_survivors_only, c.group_create_seconds_with_new_worker))
-        total, _ = group_membership(new, np.zeros(new.world_size, dtype=bool))
-        floor = c.world_init_seconds + total * slow
+        groups, _ = rank_groups(new, np.zeros(new.world_size, dtype=bool))
+        floor = c.world_init_seconds + groups.max() * slow
         if old is not None:
             def stage_bytes(p: Parallelism, stage: int) -> dict[str, float]:
                 return {u.name: (u.split_params / p.tp + u.replicated_params) * width
@@ -340,8 +334,7 @@ class ScenarioCosts:
             if joiners > 0:
                 receive = max(receive, min(sum(needed.values()) for needed in new_stages))
                 if max(old.world_size, new.world_size) <= PLAN_WORKERS_LIMIT:
-                    with_new = sum(-(-joiners // size) for size in (new.tp, new.pp, new.dp) if size > 1) + 1
-                    floor += with_new * (fast - slow)
+                    floor += max(0.0, groups.min() * fast - groups.max() * slow)
             seconds = c.transfer_seconds(receive)
             if self.gpus_per_instance > 1:
                 seconds = min(seconds, c.intra_instance_seconds(receive))
