@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with megatron-parcae and everything it needs (etcd server included).
 # On a machine without an NVIDIA GPU it installs torch's CPU build; with a GPU it keeps
-# whatever torch the environment already has (or the default CUDA build).
+# whatever torch the environment already has (or the default CUDA build). As root with
+# apt-get it also installs SLURM's Debian packages for scripts/slurm/local-cluster.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -14,4 +15,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/pip install -q -e ".[test]"
 .venv/bin/python -m megatron_parcae.training.data.corpus data >/dev/null
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  scripts/slurm/local-cluster.sh install || echo "warning: SLURM is not installed; the slurm tests will be skipped" >&2
+fi
 echo "megatron-parcae is set up in .venv (tiny datasets in data/)"
