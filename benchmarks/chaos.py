@@ -68,6 +68,7 @@ class RunReport:
     recoveries_in_place: int = 0
     checkpoint_fallbacks: int = 0
     lost_steps: int = 0
+    trained_samples: int = 0  # consumed less fp16's skipped steps
     repeated_iterations: int = 0
     sample_problems: list[str] = field(default_factory=list)
     difference: StateDifference | None = None  # final state against the uninterrupted run's
@@ -223,6 +224,7 @@ def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], i
         job.stop()
         report.wall_seconds = round(time.monotonic() - started, 1)
     report.lost_steps = job.log.lost_steps
+    report.trained_samples = job.log.trained_samples
     report.recoveries_in_place, report.checkpoint_fallbacks = recoveries(workdir, job.log)
     report.sample_problems, report.repeated_iterations = check_samples(job.log.trained, global_batch, iterations,
                                                                        report.lost_steps)

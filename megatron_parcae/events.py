@@ -50,8 +50,14 @@ class Iteration(Event):
     grad_norm: float
     learning_rate: float
     ms_per_iteration: float  # wall time per step since the previous logged step
+    # Samples of the updates applied: an fp16 step skipped for an inf or NaN gradient
+    # consumes its samples (as in Megatron-LM) but trains nothing.
+    trained_samples: int
+    skipped_iterations: int  # fp16 steps skipped since the previous logged step
+    loss_scale: float | None  # fp16's dynamic or constant loss scale; None otherwise
 
     def log_line(self) -> str:
+        fp16 = self.loss_scale is not None
         parts = [
             f" iteration {self.iteration:8d}/{self.train_iters:8d}",
             f"consumed samples: {self.consumed_samples:12d}",
@@ -59,7 +65,9 @@ class Iteration(Event):
             f"learning rate: {self.learning_rate:.6E}",
             f"global batch size: {self.global_batch_size:5d}",
             *(f"{name}: {value:.6E}" for name, value in self.losses.items()),
+            *((f"loss scale: {self.loss_scale:.1f}",) if fp16 else ()),
             f"grad norm: {self.grad_norm:.6f}",
+            *((f"number of skipped iterations: {self.skipped_iterations:3d}",) if fp16 else ()),
         ]
         return " | ".join(parts) + " |"
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,15 +33,19 @@ from megatron.core import parallel_state as ps
 
 from reconfig.optimizer_state import (
     STATE_KEYS,
+    LossScale,
     export_param_states,
     import_param_states,
     initialize_optimizer_states,
+    load_loss_scale_state,
+    loss_scale_state,
     step_count,
 )
 from reconfig.layout import Parallelism
 from reconfig.plan import OPTIMIZER, PARAMS, PARAMS_AND_OPTIMIZER, MigrationPlan, Range, Transfer
 from reconfig.tensors import ParamShard, param_shards, unwrap
-from reconfig.world import World, data_device, live_process_groups
+from reconfig import planes
+from reconfig.world import World, live_process_groups
 
 _KEYS_OF_STATE = {PARAMS_AND_OPTIMIZER: STATE_KEYS, PARAMS: ("param",), OPTIMIZER: ("exp_avg", "exp_avg_sq")}
 _WHOLE: Range = (Fraction(0), Fraction(1))
@@ -74,6 +79,17 @@ def unit_of(global_name: str) -> str:
     return "head"
 
 
+@dataclass(frozen=True)
+class Counters:
+    """A layout's state besides its tensors: alike on every worker that holds state, and
+    learnt from them by joiners. The LR schedule counts trained samples, which differ from
+    consumed ones once an fp16 step is skipped."""
+
+    step: int
+    scheduler_steps: int
+    loss_scale: LossScale | None
+
+
 @dataclass
 class HeldState:
     """What a worker brings out of the old layout: its TP shard of every parameter's state."""
@@ -82,7 +98,7 @@ class HeldState:
     tensors: dict[str, dict[str, torch.Tensor]]
     tp_rank: int
     tp_size: int
-    step: int
+    counters: Counters
 
 
 @dataclass
@@ -160,19 +176,18 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None) -> list
                 raise MigrationError(f"plan has worker {me} send {t.unit}, but it holds no state")
             items = _outgoing(held, t)
             header = json.dumps([[n, k, v.numel()] for n, k, v in items]).encode()
-            payload = torch.cat([v for _, _, v in items]).float().to(data_device())
-            messages = [torch.tensor([len(header), payload.numel()], dtype=torch.int64),
-                        torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+            payload = planes.on_data_plane(torch.cat([v for _, _, v in items]).float())
+            messages = [planes.control_tensor([len(header), payload.numel()]), planes.control_bytes(header)]
             messages += [payload] if payload.numel() else []
             sends += [dist.isend(m, rank_of[t.dst], tag=3 * index + i) for i, m in enumerate(messages)]
         if t.dst == me:
-            sizes = torch.empty(2, dtype=torch.int64)
+            sizes = planes.control_buffer(2, torch.int64)
             incoming.append((index, t, sizes, dist.irecv(sizes, rank_of[t.src], tag=3 * index)))
     bodies = []
     for index, t, sizes, request in incoming:
         request.wait()
-        header = torch.empty(int(sizes[0]), dtype=torch.uint8)
-        payload = torch.empty(int(sizes[1]), dtype=torch.float32, device=data_device())
+        header = planes.control_buffer(int(sizes[0]), torch.uint8)
+        payload = planes.data_buffer(int(sizes[1]), torch.float32)
         waits = [dist.irecv(header, rank_of[t.src], tag=3 * index + 1)]
         waits += [dist.irecv(payload, rank_of[t.src], tag=3 * index + 2)] if payload.numel() else []
         bodies.append((t, header, payload, waits))
@@ -238,7 +253,7 @@ def _assemble(runtime: Runtime, held: HeldState | None, received: list[_Received
         if key in sharded_keys:
             states[name][key].masked_fill_(~_own(mask, shards[name], tp_rank, tp_size, own_shard), 0.0)
     if sharded_keys and dp_size > 1:
-        flat = torch.cat([states[n][k].reshape(-1) for n in shards for k in sharded_keys])
+        flat = planes.on_data_plane(torch.cat([states[n][k].reshape(-1) for n in shards for k in sharded_keys]))
         dist.all_reduce(flat, group=ps.get_data_parallel_group())
         offset = 0
         for n in shards:
@@ -278,26 +293,42 @@ def built_layout(build: RuntimeFactory, parallelism: Parallelism, world: World, 
 def export_held_state(runtime: Runtime) -> HeldState:
     """This worker's state before its layout is dropped (collective over the old DP group)."""
     states = export_param_states(runtime.model, runtime.optimizer)
+    counters = Counters(step_count(runtime.optimizer), runtime.scheduler.num_steps, loss_scale_state(runtime.optimizer))
     return HeldState({s.shard.global_name: s.shard for s in states},
                      {s.shard.global_name: s.tensors for s in states},
-                     ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
-                     step_count(runtime.optimizer))
+                     ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), counters)
 
 
-def _agree_on_progress(held: HeldState | None, consumed_samples: int) -> tuple[int, int]:
-    """Adam's step count and the samples consumed, which joining workers learn from those
-    who hold state. Holders must agree: after a peer died mid-step, one survivor may have
+_AGREED = ("Adam step", "consumed samples", "scheduler steps", "loss scaler", "loss scale", "loss-scale growth",
+           "loss-scale hysteresis")
+
+
+def _float_bits(value: float) -> int:
+    """An integer that orders like `value` among floats >= 0 (IEEE 754), for a MAX all-reduce."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _agree_on_progress(held: HeldState | None, consumed_samples: int) -> tuple[Counters, int]:
+    """The counters and the samples consumed, which joining workers learn from those who
+    hold state. Holders must agree: after a peer died mid-step, one survivor may have
     applied the step and another not, and their states cannot be combined."""
-    low = -(2**62)
-    mine = [held.step, -held.step, consumed_samples, -consumed_samples] if held else [low] * 4
-    agreed = torch.tensor(mine, dtype=torch.int64)
+    if held is None:
+        mine = [-(2**62)] * (2 * len(_AGREED))
+    else:
+        c, scale = held.counters, held.counters.loss_scale
+        values = [c.step, consumed_samples, c.scheduler_steps, int(scale is not None),
+                  *((_float_bits(scale.scale), scale.growth_tracker, scale.hysteresis_tracker) if scale else (0, 0, 0))]
+        mine = values + [-v for v in values]
+    agreed = planes.control_tensor(mine)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    step, consumed = int(agreed[0]), int(agreed[2])
-    if step != -int(agreed[1]) or consumed != -int(agreed[3]):
-        raise MigrationError(f"the workers holding state are at different steps (Adam step {-int(agreed[1])} to "
-                             f"{step}, consumed samples {-int(agreed[3])} to {consumed}): a peer failed while "
+    high, low = agreed[:len(_AGREED)].tolist(), [-v for v in agreed[len(_AGREED):].tolist()]
+    differ = [f"{name} {lo} to {hi}" for name, lo, hi in zip(_AGREED, low, high) if lo != hi]
+    if differ:
+        raise MigrationError(f"the workers holding state differ ({', '.join(differ)}): a peer failed while "
                              "some had applied a step and others had not")
-    return step, consumed
+    step, consumed, scheduler_steps, scaled, bits, growth, hysteresis = high
+    scale = LossScale(struct.unpack("<d", struct.pack("<q", bits))[0], growth, hysteresis) if scaled else None
+    return Counters(step, scheduler_steps, scale), consumed
 
 
 def hand_over(runtime: Runtime) -> HeldState:
@@ -315,8 +346,7 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
     Called by every worker of the old layout still running, with the state it took out
     of it (`hand_over`), and every worker the plan places, with the same plan and
     generation. `held` is None for a worker that holds nothing (joining); its
-    `consumed_samples` is replaced by what the holders agree on, which also sets the LR
-    scheduler's position.
+    `consumed_samples` is replaced by what the holders agree on.
     """
     new_slots = plan.new.slots
     senders = sorted({t.src for t in plan.transfers} - set(new_slots))
@@ -326,7 +356,7 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
         return None, consumed_samples
     if world.members != members:
         world.reform(members, f"g{generation}")
-    step, consumed_samples = _agree_on_progress(held, consumed_samples)
+    counters, consumed_samples = _agree_on_progress(held, consumed_samples)
     received = _exchange(plan, world, held)
     if world.worker not in new_slots:
         world.leave()
@@ -337,8 +367,9 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
         initialize_optimizer_states(new_runtime.optimizer)
         sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
         states = _assemble(new_runtime, held, received, sharded)
-        import_param_states(new_runtime.model, new_runtime.optimizer, states, step)
-    new_runtime.scheduler.num_steps = consumed_samples
+        import_param_states(new_runtime.model, new_runtime.optimizer, states, counters.step)
+        load_loss_scale_state(new_runtime.optimizer, counters.loss_scale)
+    new_runtime.scheduler.num_steps = counters.scheduler_steps
     new_runtime.scheduler.step(increment=0)
     return new_runtime, consumed_samples
 

@@ -1,9 +1,11 @@
-"""Per-parameter training state of a megatron-core model: main weights and Adam moments.
+"""Training state of a megatron-core model: main weights, Adam moments, step, loss scale.
 
 Checkpoints and live migrations both need, for every parameter by its global name, this
 rank's tensor-parallel shard of the fp32 main weight and of both Adam moments, plus
-Adam's step count. megatron-core keeps these in different places for the plain and the
-distributed optimizer (a flat range per data-parallel rank); this module hides that.
+Adam's step count and fp16's loss-scaler state. megatron-core keeps these in different
+places for the plain and the distributed optimizer (a flat range per data-parallel rank),
+and Adam's step per parameter (torch) or per parameter group (Transformer Engine's and
+apex's FusedAdam); this module hides that.
 Megatron's own optimizer `sharded_state_dict` is not used: in 0.16.1 it mishandles
 Adam's `step` without TE/Apex and shifts the tied embedding's state at P > 1.
 """
@@ -11,6 +13,7 @@ Adam's `step` without TE/Apex and shifts the tied embedding's state at P > 1.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +21,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-from reconfig import compat
+from reconfig import compat, planes
 from reconfig.tensors import ParamShard, param_shards, unwrap
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
@@ -68,11 +71,72 @@ def initialize_optimizer_states(optimizer) -> None:
 
 
 def step_count(optimizer) -> int:
+    """Adam's step count: the updates applied (a skipped fp16 step applies none)."""
     for opt in _optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            if "step" in group:  # FusedAdam keeps one per group
+                return int(group["step"])
         for state in opt.optimizer.state.values():
             if "step" in state:
                 return int(state["step"])
     return 0
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """fp16's dynamic loss scaler: the scale and the counters that decide its next change.
+
+    Without them a resumed or migrated fp16 run would restart from the initial scale and
+    skip steps an uninterrupted run trains."""
+
+    scale: float
+    growth_tracker: int
+    hysteresis_tracker: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "hysteresis_tracker": self.hysteresis_tracker}
+
+    @classmethod
+    def from_dict(cls, raw: object) -> LossScale:
+        """From JSON, validated: a positive finite scale, a growth count >= 0 and the
+        hysteresis left (megatron-core counts it below 0 while overflows go on)."""
+        if not isinstance(raw, dict) or set(raw) != {"scale", "growth_tracker", "hysteresis_tracker"}:
+            raise ValueError("a loss scale is {scale, growth_tracker, hysteresis_tracker}")
+        scale, growth, hysteresis = raw["scale"], raw["growth_tracker"], raw["hysteresis_tracker"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ValueError(f"loss scale {scale!r} is not a positive finite number")
+        for value in (growth, hysteresis):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"loss-scale counter {value!r} is not an integer")
+        if growth < 0:
+            raise ValueError(f"loss-scale growth count {growth} is negative")
+        return cls(float(scale), growth, hysteresis)
+
+
+def _dynamic_scalers(optimizer) -> list:
+    """The optimizer's dynamic loss scalers (fp16 without --loss-scale); none otherwise."""
+    scalers = [getattr(opt, "grad_scaler", None) for opt in _optimizers(optimizer)]
+    return [s for s in scalers if s is not None and "growth_tracker" in s.state_dict()]
+
+
+def loss_scale_state(optimizer) -> LossScale | None:
+    """The dynamic loss scaler's state, or None where there is none."""
+    scalers = _dynamic_scalers(optimizer)
+    if not scalers:
+        return None
+    state = scalers[0].state_dict()
+    return LossScale(float(state["scale"].item()), int(state["growth_tracker"]), int(state["hysteresis_tracker"]))
+
+
+def load_loss_scale_state(optimizer, state: LossScale | None) -> None:
+    """Give the dynamic loss scaler `state`; None (a run without one) keeps the initial scale."""
+    if state is None:
+        return
+    for scaler in _dynamic_scalers(optimizer):
+        scale = scaler.state_dict()["scale"]
+        scaler.load_state_dict({"scale": torch.full_like(scale, state.scale), "growth_tracker": state.growth_tracker,
+                                "hysteresis_tracker": state.hysteresis_tracker})
 
 
 def export_param_states(model_chunks, optimizer) -> list[ParamState]:
@@ -98,19 +162,20 @@ def export_param_states(model_chunks, optimizer) -> list[ParamState]:
 def _gather_distributed(opt: DistributedOptimizer, shards: list[ParamShard]) -> dict:
     """Every DP rank holds a flat range of each parameter's state: sum the disjoint ranges."""
     sizes = [s.param.numel() for s in shards]
-    flat = torch.zeros(len(STATE_KEYS), sum(sizes), dtype=torch.float32, device=shards[0].param.device)
+    flat = planes.data_buffer(len(STATE_KEYS) * sum(sizes), torch.float32)
+    rows = flat.view(len(STATE_KEYS), sum(sizes))
     offset = 0
     for shard, size in zip(shards, sizes):
         if shard.param in opt.model_param_group_index_map:
             rng = compat.param_range(opt, shard.param)
             local = compat.main_param_and_optimizer_states(opt, shard.param)
             for i, key in enumerate(STATE_KEYS):
-                flat[i, offset + rng.start: offset + rng.end] = local[key].detach().float().view(-1)
+                rows[i, offset + rng.start: offset + rng.end] = local[key].detach().float().view(-1)
         offset += size
     dist.all_reduce(flat, group=ps.get_data_parallel_group())
     out, offset = {}, 0
     for shard, size in zip(shards, sizes):
-        out[shard.param] = {key: flat[i, offset: offset + size].view(shard.param.shape).clone()
+        out[shard.param] = {key: rows[i, offset: offset + size].view(shard.param.shape).clone()
                             for i, key in enumerate(STATE_KEYS)}
         offset += size
     return out
@@ -148,11 +213,20 @@ def import_param_states(model_chunks, optimizer, states: dict[str, dict[str, tor
                 state = opt.optimizer.state[main]
                 state["exp_avg"].copy_(tensors["exp_avg"])
                 state["exp_avg_sq"].copy_(tensors["exp_avg_sq"])
+    set_step_count(optimizer, step)
+
+
+def set_step_count(optimizer, step: int) -> None:
+    """Set Adam's step count wherever the optimizer keeps it (per group and per parameter)."""
     for opt in _optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            if "step" in group:
+                _set_step(group, step)
         for state in opt.optimizer.state.values():
             _set_step(state, step)
 
 
-def _set_step(state: dict, step: int) -> None:
-    """Give this parameter its own step tensor (megatron can leave one shared by all)."""
-    state["step"] = torch.tensor(float(step)) if torch.is_tensor(state.get("step")) else step
+def _set_step(holder: dict, step: int) -> None:
+    """Give this parameter (or group) its own step (megatron can leave one tensor shared by all)."""
+    old = holder.get("step")
+    holder["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device) if torch.is_tensor(old) else step

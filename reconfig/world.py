@@ -36,13 +36,9 @@ def process_group_backend() -> str:
     """WORLD's backends: on GPUs, CPU tensors (the small control collectives: plan
     agreement, progress, sizes, headers, logged losses) go over gloo and device tensors
     (parameters, gradients, optimizer state) over NCCL; gloo alone on CPU. Keeping the
-    control plane on gloo also keeps its timeouts and failure detection alike on both."""
+    control plane on gloo also keeps its timeouts and failure detection alike on both.
+    reconfig.planes makes every tensor the project hands to a collective."""
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
-def data_device() -> torch.device:
-    """Where this process's data-plane tensors live: its GPU, or the CPU without one."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class WorldBroken(RuntimeError):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from collective_probe import read_findings
 from helpers import REPO, TRAIN, losses, start_logged, torchrun
 
 # Fixtures that start processes (etcd servers, coordinators, workers, torchrun jobs): a
@@ -125,6 +126,7 @@ def live_job(etcd_server, client, tmp_path):
     config.write_text(f"profile: {REPO / 'configs/profiles/gpt-tiny-cpu.json'}\ninterval-seconds: 2\n"
                       "lookahead: 4\ngrace-seconds: 20\nlease-seconds: 2\nmax-workers: 4\nmin-workers: 2\n")
     processes: list[subprocess.Popen] = []
+    probe = tmp_path / "probe"
 
     def coordinator(name: str) -> subprocess.Popen:
         p = start_logged([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", etcd_server.endpoint,
@@ -133,7 +135,8 @@ def live_job(etcd_server, client, tmp_path):
         return p
 
     def worker(worker_id: int) -> subprocess.Popen:
-        p = start_logged([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae", "--parcae-etcd",
+        p = start_logged([sys.executable, "tests/collective_probe.py", str(probe), "scripts/pretrain_gpt.py", *TRAIN,
+                          "--parcae", "--parcae-etcd",
                     etcd_server.endpoint, "--parcae-job", job, "--parcae-worker-id", str(worker_id),
                     "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5",
                     "--save", str(tmp_path / "checkpoints"), "--save-interval", "4", "--async-save",
@@ -147,3 +150,6 @@ def live_job(etcd_server, client, tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+    # Every collective of the live loop used its plane's device (tests/collective_probe.py).
+    _, violations = read_findings(probe)
+    assert not violations, violations

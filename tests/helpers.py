@@ -106,12 +106,17 @@ class Run:
         return [e for e in self.events if isinstance(e, kind)]
 
 
-def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600) -> Run:
+def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, probe: Path | None = None) -> Run:
+    """A scripts/ script under torchrun; with `probe`, every process runs under
+    tests/collective_probe.py, which writes its findings there."""
     env = child_env()
     with tempfile.TemporaryDirectory(prefix="parcae-test-events-") as tmp:
         events = Path(tmp) / "events.jsonl"
+        command = [str(REPO / "scripts" / script)]
+        if probe is not None:
+            command = [str(REPO / "tests" / "collective_probe.py"), str(probe), *command]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "scripts" / script), *args, "--parcae-events", str(events)]
+               *command, *args, "--parcae-events", str(events)]
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         return Run(done.returncode, done.stdout, done.stderr, read_events(events) if events.exists() else [])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -20,7 +21,8 @@ from megatron_parcae.events import (
     read_events,
 )
 
-ITERATION = Iteration(12, 40, 384, 32, {"lm loss": 7.25, "sop loss": 0.5}, 1.5, 2.5e-4, 412.34, time=1.0e9)
+ITERATION = Iteration(12, 40, 384, 32, {"lm loss": 7.25, "sop loss": 0.5}, 1.5, 2.5e-4, 412.34, 320, 1, 32768.0,
+                      time=1.0e9)
 MIGRATION = LayoutChange(3, 12, "pipeline", 1, 4, 1, 0.2345, 1_048_576, 9, 812.4, time=1.0e9 + 1)
 RESTART = LayoutChange(4, 10, "restart", 2, 2, 1, 3.5, source="/ckpt", lost_steps=2, time=1.0e9 + 2)
 ALL = [ITERATION, MIGRATION, RESTART, Save(12, "/ckpt", time=1.0e9 + 3), Load(10, "/ckpt", time=1.0e9 + 4),
@@ -50,7 +52,10 @@ def test_log_lines_keep_megatrons_format():
     assert ITERATION.log_line() == (
         " iteration       12/      40 | consumed samples:          384 | elapsed time per iteration (ms): 412.3 | "
         "learning rate: 2.500000E-04 | global batch size:    32 | lm loss: 7.250000E+00 | sop loss: 5.000000E-01 | "
-        "grad norm: 1.500000 |")
+        "loss scale: 32768.0 | grad norm: 1.500000 | number of skipped iterations:   1 |")
+    # Without fp16 the line has neither fp16 field.
+    assert dataclasses.replace(ITERATION, loss_scale=None).log_line().endswith(
+        "sop loss: 5.000000E-01 | grad norm: 1.500000 |")
     assert MIGRATION.log_line() == (
         " layout change at iteration 12 (generation 3): pipeline migration to tp 1 pp 4 dp 1, 1048576 bytes planned, "
         "234.5 ms, 9 process groups, 812 MiB resident")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 
+from collective_probe import read_findings
 from helpers import ITERS, assert_close, trained_losses, wait_for, worker_events
 from megatron_parcae.events import Iteration, LayoutChange
 
@@ -49,3 +50,7 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     trained = [e.iteration for e in events if isinstance(e, Iteration)]
     assert sorted(trained) == list(range(1, ITERS + 1))
     assert_close(trained_losses(events), uninterrupted)
+    # The plan agreement of every boundary ran on the control plane (the fixture checks
+    # that no collective broke the planes).
+    sites, _ = read_findings(logs / "probe")
+    assert ("megatron_parcae/training/hooks/live.py:advance:all_reduce", "control") in sites, sites

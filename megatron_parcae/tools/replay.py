@@ -77,11 +77,12 @@ class JobLog:
     started: float = field(default_factory=time.time)  # Unix time, as in the events
     iteration: int = 0
     consumed_samples: int = 0
+    trained_samples: int = 0  # consumed less fp16's skipped steps: the figure replays compare
     loss: float | None = None
     saved_iteration: int = 0
     lost_steps: int = 0
     losses: dict[int, float] = field(default_factory=dict)
-    progress: list[tuple[float, int]] = field(default_factory=list)  # (seconds, consumed samples)
+    progress: list[tuple[float, int]] = field(default_factory=list)  # (seconds, trained samples)
     trained: list[tuple[int, int]] = field(default_factory=list)  # (iteration, consumed samples), as logged
     changes: list[dict] = field(default_factory=list)  # layout changes the workers reported
     events: list[dict] = field(default_factory=list)  # what the emulator did: preempt, arrive
@@ -107,9 +108,10 @@ class JobLog:
     def _take(self, event: Event) -> None:
         if isinstance(event, Iteration):
             self.iteration, self.consumed_samples = event.iteration, event.consumed_samples
+            self.trained_samples = event.trained_samples
             self.loss = event.losses["lm loss"]
             self.losses[self.iteration] = self.loss
-            self.progress.append((self.seconds(event.time), self.consumed_samples))
+            self.progress.append((self.seconds(event.time), self.trained_samples))
             self.trained.append((self.iteration, self.consumed_samples))
         elif isinstance(event, LayoutChange):
             self.lost_steps += event.lost_steps
@@ -468,7 +470,7 @@ class ReplaySummary:
             end = wall_seconds if following is None else following["at_seconds"]
             key = "T{}P{}D{}".format(*change["layout"])
             per_layout[key] = round(per_layout.get(key, 0.0) + max(0.0, end - change["at_seconds"]), 3)
-        return cls(mode=mode, wall_seconds=round(wall_seconds, 3), samples=log.consumed_samples if log.iteration else 0,
+        return cls(mode=mode, wall_seconds=round(wall_seconds, 3), samples=log.trained_samples if log.iteration else 0,
                    iterations=log.iteration, final_loss=log.loss, lost_steps=log.lost_steps,
                    preemptions=job.preemptions, arrivals=job.arrivals, seconds_per_layout=per_layout,
                    changes=log.changes, events=log.events, progress=[list(p) for p in log.progress],

@@ -58,6 +58,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="default: transformer_engine on a GPU where Transformer Engine is installed, else local")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: a constant loss scale (default: dynamic, from --initial-loss-scale)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: steps without overflow before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="fp16: overflows tolerated before the dynamic scale halves")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -285,6 +293,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         value = getattr(args, flag)
         _check(0 <= value < 1, f"--{flag.replace('_', '-')} must be in [0, 1), got {value}")
     _check(not (args.bf16 and args.fp16), "--bf16 and --fp16 exclude each other")
+    for flag in ("initial_loss_scale", "min_loss_scale", *(("loss_scale",) if args.loss_scale is not None else ())):
+        value = getattr(args, flag)
+        _check(math.isfinite(value) and value > 0, f"--{flag.replace('_', '-')} must be a finite number > 0, got {value}")
+    _check(args.min_loss_scale <= args.initial_loss_scale,
+           f"--min-loss-scale {args.min_loss_scale} exceeds --initial-loss-scale {args.initial_loss_scale}")
+    for flag in ("loss_scale_window", "hysteresis"):
+        _check(getattr(args, flag) > 0, f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     _check(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters

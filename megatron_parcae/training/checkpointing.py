@@ -24,12 +24,15 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megatron_parcae import events
-from reconfig import compat
+from reconfig import compat, planes
 from reconfig.optimizer_state import (
     STATE_KEYS,
+    LossScale,
     export_param_states,
     import_param_states,
     initialize_optimizer_states,
+    load_loss_scale_state,
+    loss_scale_state,
     step_count,
 )
 from megatron_parcae.training.progress import Progress
@@ -119,13 +122,14 @@ class Checkpointer:
         directory = Path(self.root) / f"iter_{progress.iteration:07d}"
         if dist.get_rank() == 0:
             directory.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+        planes.control_barrier()
         request = dist_checkpointing.save(sharded, str(directory), async_sharded_save=True)
         meta = {
             "iteration": progress.iteration,
             "consumed_samples": progress.consumed_samples,
             "optimizer_step": step_count(runtime.optimizer),
             "scheduler_num_steps": runtime.scheduler.num_steps,
+            "loss_scale": None if (scale := loss_scale_state(runtime.optimizer)) is None else scale.to_dict(),
             "model": {flag: getattr(runtime.args, flag) for flag in SHAPE_FLAGS},
         }
         request.add_finalize_fn(lambda: self._record(directory, meta))
@@ -149,7 +153,7 @@ class Checkpointer:
     def behind(self, iteration: int) -> bool:
         """Whether a rank has no completed save at `iteration` (collective): a save of that
         iteration may have been abandoned, or a rank joined since."""
-        missing = torch.tensor([int(self.newest != iteration)])
+        missing = planes.control_tensor([int(self.newest != iteration)])
         dist.all_reduce(missing, op=dist.ReduceOp.MAX)
         return bool(missing)
 
@@ -193,6 +197,11 @@ def read_progress(root: str) -> tuple[Path, dict]:
     for key, kind in expected.items():
         if not isinstance(meta.get(key), kind):
             raise CheckpointError(f"--load {root}: {PROGRESS} has no valid {key!r}")
+    if meta.get("loss_scale") is not None:
+        try:
+            meta["loss_scale"] = LossScale.from_dict(meta["loss_scale"])
+        except ValueError as exc:
+            raise CheckpointError(f"--load {root}: {PROGRESS} has no valid 'loss_scale' ({exc})") from None
     return directory, meta
 
 
@@ -214,6 +223,7 @@ def load(root: str, runtime):
     loaded = dist_checkpointing.load(template, str(directory))
     states = {s.global_name: {key: loaded[f"{key}/{s.global_name}"] for key in STATE_KEYS} for s in shards}
     import_param_states(runtime.model, runtime.optimizer, states, meta["optimizer_step"])
+    load_loss_scale_state(runtime.optimizer, meta.get("loss_scale"))
     runtime.scheduler.num_steps = meta["scheduler_num_steps"]
     runtime.scheduler.step(increment=0)
     return Progress(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"])

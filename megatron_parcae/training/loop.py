@@ -26,6 +26,7 @@ from megatron_parcae.training.hooks.live import LiveJobError, WorkerFenced
 from megatron_parcae.training.models import padded_vocab_size
 from megatron_parcae.training.progress import Progress
 from megatron_parcae.training.runtime import LayoutRuntime
+from reconfig.optimizer_state import step_count
 
 
 def _fail(prog: str, message: str, code: int) -> int:
@@ -65,7 +66,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
         if runtime is None:
             return 0  # a worker no change placed
         progress = Progress.at(consumed, args.global_batch_size)
-        window_start, window_iters = time.perf_counter(), 0
+        window_start, window_iters, window_skipped = time.perf_counter(), 0, 0
         exit_at = None  # the iteration --exit-interval stops at, once reached
         while True:
             try:
@@ -84,13 +85,18 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                 progress.consumed_samples += args.global_batch_size
                 hook.trained(progress.consumed_samples)
                 window_iters += 1
+                window_skipped += result.skipped
                 if report:
                     elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
                     if dist.get_rank() == 0:
+                        # Adam counts the updates applied; every other step was skipped.
+                        skipped_total = progress.iteration - step_count(runtime.optimizer)
                         events.report(events.Iteration(
                             progress.iteration, args.train_iters, progress.consumed_samples, args.global_batch_size,
-                            result.losses, result.grad_norm, result.learning_rate, elapsed_ms))
-                    window_start, window_iters = time.perf_counter(), 0
+                            result.losses, result.grad_norm, result.learning_rate, elapsed_ms,
+                            progress.consumed_samples - skipped_total * args.global_batch_size, window_skipped,
+                            result.loss_scale))
+                    window_start, window_iters, window_skipped = time.perf_counter(), 0, 0
                 if args.save_interval and progress.iteration % args.save_interval == 0:
                     checkpoints.save(runtime, progress)
                 checkpoints.poll()

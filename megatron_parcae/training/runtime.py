@@ -30,6 +30,7 @@ from megatron_parcae.training.data.datasets import rank_micro_batches, step_iter
 from megatron_parcae.training.device import collective_timeout
 from megatron_parcae.training.models import build_model_chunk, transformer_config, wrap_for_training
 from megatron_parcae.training.progress import Progress
+from reconfig import planes
 from reconfig.tensors import unwrap
 from reconfig.world import release_parallel_state
 
@@ -40,6 +41,8 @@ class StepResult:
     grad_norm: float
     learning_rate: float
     seconds: float
+    skipped: bool  # fp16 found an inf or NaN gradient: no update, the LR schedule holds
+    loss_scale: float | None  # fp16's, after this step
 
 
 def _loss_weight(num_local: int, num_total: int, dp_size: int) -> float:
@@ -124,7 +127,9 @@ class LayoutRuntime:
             OptimizerConfig(
                 optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                 adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
+                initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+                loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
                 params_dtype=self.config.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
             ),
             self.model,
@@ -170,10 +175,12 @@ class LayoutRuntime:
         # Every collective of the step before the update (the plain optimizer's step then
         # makes none after it): a rank that fails in one has not changed its state.
         losses = _global_mean_losses(outputs, total) if report else {}
-        _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=args.global_batch_size)
-        return StepResult(losses=losses, grad_norm=float(grad_norm or 0.0),
-                          learning_rate=learning_rate, seconds=time.perf_counter() - start)
+        updated, grad_norm, _ = self.optimizer.step()
+        if updated:  # as Megatron-LM: a skipped step's samples are consumed, not trained
+            self.scheduler.step(increment=args.global_batch_size)
+        loss_scale = float(self.optimizer.get_loss_scale().item()) if args.fp16 else None
+        return StepResult(losses=losses, grad_norm=float(grad_norm or 0.0), learning_rate=learning_rate,
+                          seconds=time.perf_counter() - start, skipped=not updated, loss_scale=loss_scale)
 
     def destroy(self) -> None:
         """Drop this layout's objects and process groups (megatron-core forgets some)."""
@@ -188,14 +195,10 @@ def _global_mean_losses(outputs: list[dict[str, torch.Tensor]], total_micro_batc
     over WORLD sums those of tensor-parallel rank 0.
     """
     names = ("lm loss", "sop loss")
-    sums = torch.zeros(len(names), dtype=torch.float64)
     if ps.get_tensor_model_parallel_rank() != 0:
         outputs = []
-    for out in outputs:
-        for i, name in enumerate(names):
-            if name in out:
-                sums[i] += float(out[name])
-    present = torch.tensor([float(any(n in o for o in outputs)) for n in names], dtype=torch.float64)
-    packed = torch.cat([sums, present])
+    sums = [sum(float(out[name]) for out in outputs if name in out) for name in names]
+    present = [float(any(name in out for out in outputs)) for name in names]
+    packed = planes.control_tensor(sums + present, torch.float64)
     dist.all_reduce(packed)
     return {name: float(packed[i]) / total_micro_batches for i, name in enumerate(names) if packed[len(names) + i] > 0}

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 
 from megatron_parcae import events
@@ -61,6 +60,7 @@ from reconfig.execute import (
     migrate,
     release_runtime,
 )
+from reconfig import planes
 from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationPlan
 from reconfig.world import World, is_peer_failure, process_group_backend
@@ -128,7 +128,7 @@ class LiveReconfiguration:
                                    consumed_samples)
         self._check_membership()
         pending = self.agent.pending_plan()
-        newest = torch.tensor([pending.generation if pending is not None else self.generation], dtype=torch.int64)
+        newest = planes.control_tensor([pending.generation if pending is not None else self.generation])
         dist.all_reduce(newest, op=dist.ReduceOp.MAX)
         if int(newest) > self.generation:
             self.before_change()
@@ -321,7 +321,7 @@ class LiveReconfiguration:
         except SchemaError as exc:
             print(f" worker {self.world.worker}: ignoring the job's progress record: {exc}", flush=True)
             recorded = None
-        known = torch.tensor([max(consumed_samples, recorded.consumed_samples if recorded else 0)], dtype=torch.int64)
+        known = planes.control_tensor([max(consumed_samples, recorded.consumed_samples if recorded else 0)])
         dist.all_reduce(known, op=dist.ReduceOp.MAX)
         source = next((d for d in (self.args.save, self.args.load)
                        if d is not None and (Path(d) / checkpointing.TRACKER).is_file()), None)

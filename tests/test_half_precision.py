@@ -1,0 +1,125 @@
+"""bf16 and fp16 through in-place layout changes, and the planes of every collective.
+
+In half precision another T or P rounds differently, so a run that never changes layout
+is no reference: an in-place change must give what the same change made by
+checkpoint-restart gives (save at the change, relaunch under the new layout, load),
+loss scale and skipped steps included.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from collective_probe import read_findings
+from helpers import SMALL_GPT, layout_flags, torchrun, write_tracker
+from megatron_parcae.events import Iteration
+from megatron_parcae.training.checkpointing import PROGRESS
+from reconfig.optimizer_state import LossScale, set_step_count, step_count
+
+ITERS, CHANGE = 10, 5
+INITIAL_SCALE = 2.0**20
+# A scale too large for the first steps: they overflow and are skipped, it halves at each
+# overflow (hysteresis 1) and doubles after 3 clean steps, so one short run shows all of it.
+FP16 = ["--fp16", "--initial-loss-scale", str(INITIAL_SCALE), "--hysteresis", "1", "--loss-scale-window", "3"]
+CASES = pytest.mark.parametrize("precision,distributed_optimizer", [
+    (["--bf16"], False), (FP16, False), (FP16, True)], ids=["bf16-adam", "fp16-adam", "fp16-distributed-adam"])
+
+
+def _iterations(run) -> dict[int, Iteration]:
+    assert run.returncode == 0, f"run failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    return {e.iteration: e for e in run.of(Iteration)}
+
+
+def _final_progress(root: Path) -> dict:
+    return json.loads((root / f"iter_{ITERS:07d}" / PROGRESS).read_text())
+
+
+@pytest.mark.slow
+@CASES
+def test_in_place_change_equals_checkpoint_restart(tiny_data, tmp_path, precision, distributed_optimizer):
+    flags = SMALL_GPT + precision + ["--train-iters", str(ITERS)]
+    flags += ["--use-distributed-optimizer"] if distributed_optimizer else []
+    saved, probe = tmp_path / "in-place", tmp_path / "probe"
+    in_place = _iterations(torchrun("pretrain_gpt.py", 4, flags + layout_flags(1, 2) + [
+        "--save", str(saved), "--save-interval", str(CHANGE), "--parcae",
+        "--parcae-layout-schedule", f"{CHANGE}:2,1,2"], probe=probe))
+    write_tracker(saved, CHANGE)
+    restarted_root = tmp_path / "restarted"
+    restarted = _iterations(torchrun("pretrain_gpt.py", 4, flags + layout_flags(2, 1) + [
+        "--load", str(saved), "--save", str(restarted_root)]))
+
+    after = range(CHANGE + 1, ITERS + 1)
+    assert sorted(restarted) == list(after) and sorted(in_place) == list(range(1, ITERS + 1))
+    for it in after:
+        a, b = in_place[it], restarted[it]
+        assert abs(a.losses["lm loss"] - b.losses["lm loss"]) <= 1e-6 * abs(b.losses["lm loss"]), (it, a, b)
+        assert (a.loss_scale, a.skipped_iterations, a.trained_samples, a.learning_rate) == (
+            b.loss_scale, b.skipped_iterations, b.trained_samples, b.learning_rate), (it, a, b)
+    # Adam's step and the loss scaler end alike in both (the final checkpoints' records).
+    final, reference = _final_progress(saved), _final_progress(restarted_root)
+    assert (final["optimizer_step"], final["loss_scale"]) == (reference["optimizer_step"], reference["loss_scale"])
+    skipped = sum(e.skipped_iterations for e in in_place.values())
+    assert final["optimizer_step"] == ITERS - skipped
+    last = in_place[ITERS]
+    assert last.trained_samples == last.consumed_samples - skipped * last.global_batch_size
+    assert last.losses["lm loss"] < in_place[1].losses["lm loss"] - 0.2  # it trains once the scale settles
+
+    if precision == FP16:
+        assert in_place[1].skipped_iterations == 1 and "loss scale: 524288.0 |" in in_place[1].log_line()
+        assert "number of skipped iterations:   1 |" in in_place[1].log_line()
+        # The scale carried over: a change that lost it would restart at the initial
+        # scale and overflow again.
+        before = in_place[CHANGE].loss_scale
+        assert before < INITIAL_SCALE and in_place[CHANGE + 1].loss_scale in (before, 2 * before)
+        assert in_place[CHANGE + 1].skipped_iterations == 0
+        assert LossScale.from_dict(final["loss_scale"]).scale == last.loss_scale
+    else:
+        assert final["loss_scale"] is None and skipped == 0
+
+    # Every collective of the loop and the executor used its plane's device.
+    sites, violations = read_findings(probe)
+    assert not violations, violations
+    expected = {("megatron_parcae/training/runtime.py:_global_mean_losses:all_reduce", "control"),
+                ("reconfig/execute.py:_agree_on_progress:all_reduce", "control"),
+                ("reconfig/execute.py:_exchange:isend", "control"), ("reconfig/execute.py:_exchange:isend", "data"),
+                ("reconfig/execute.py:_exchange:irecv", "control"), ("reconfig/execute.py:_exchange:irecv", "data"),
+                ("megatron_parcae/training/checkpointing.py:behind:all_reduce", "control"),
+                ("reconfig/planes.py:control_barrier:all_reduce", "control")}
+    if distributed_optimizer:
+        expected |= {("reconfig/optimizer_state.py:_gather_distributed:all_reduce", "data"),
+                     ("reconfig/execute.py:_assemble:all_reduce", "data")}
+    assert expected <= sites, expected - sites
+
+
+def test_adam_step_is_read_and_written_per_group_as_fused_adam_keeps_it():
+    """Transformer Engine's and apex's FusedAdam keep `step` in each parameter group."""
+    param = torch.nn.Parameter(torch.ones(3))
+    adam = torch.optim.Adam([param])
+    param.grad = torch.ones(3)
+    adam.step()
+    optimizer = type("MegatronOptimizer", (), {"optimizer": adam})()
+    assert step_count(optimizer) == 1
+    adam.param_groups[0]["step"] = 7
+    assert step_count(optimizer) == 7
+    set_step_count(optimizer, 3)
+    assert adam.param_groups[0]["step"] == 3 and int(adam.state[param]["step"]) == 3
+
+
+@pytest.mark.parametrize("raw", [None, [], {"scale": 1.0}, {"scale": 0, "growth_tracker": 0, "hysteresis_tracker": 2},
+                                 {"scale": float("inf"), "growth_tracker": 0, "hysteresis_tracker": 2},
+                                 {"scale": True, "growth_tracker": 0, "hysteresis_tracker": 2},
+                                 {"scale": 8.0, "growth_tracker": -1, "hysteresis_tracker": 2},
+                                 {"scale": 8.0, "growth_tracker": 1.5, "hysteresis_tracker": 2},
+                                 {"scale": 8.0, "growth_tracker": 0, "hysteresis_tracker": 2, "extra": 1}])
+def test_a_bad_loss_scale_record_is_refused(raw):
+    with pytest.raises(ValueError):
+        LossScale.from_dict(raw)
+
+
+def test_loss_scale_round_trips():
+    scale = LossScale(65536.0, 2, 1)
+    assert LossScale.from_dict(json.loads(json.dumps(scale.to_dict()))) == scale
