@@ -120,12 +120,15 @@ class LayoutChange(Event):
     resident_mib: float | None = None
     source: str | None = None
     lost_steps: int = 0
+    device_peak_mib: float | None = None  # of the reporting process during the change (GPU only)
+    steady_device_peak_mib: float | None = None  # and before it
 
     @classmethod
     def of_migration(cls, generation: int, iteration: int, figures: ChangeFigures) -> LayoutChange:
         p = figures.parallelism
         return cls(generation, iteration, figures.kind, p.tp, p.pp, p.dp, figures.seconds, figures.bytes_planned,
-                   figures.process_groups, figures.resident_mib)
+                   figures.process_groups, figures.resident_mib, device_peak_mib=figures.device_peak_mib,
+                   steady_device_peak_mib=figures.steady_device_peak_mib)
 
     def log_line(self) -> str:
         head = f" layout change at iteration {self.iteration} (generation {self.generation}): "
@@ -133,15 +136,18 @@ class LayoutChange(Event):
         ms = f"{self.seconds * 1000.0:.1f} ms"
         if self.kind == "restart":
             return f"{head}restart {to} from {self.source}, {self.lost_steps} steps lost, {ms}"
+        device = "" if self.device_peak_mib is None else (
+            f", device peak {self.device_peak_mib:.0f} MiB ({self.steady_device_peak_mib or 0.0:.0f} MiB before)")
         return (f"{head}{self.kind} migration {to}, {self.bytes_planned} bytes planned, {ms}, "
-                f"{self.process_groups} process groups, {self.resident_mib:.0f} MiB resident")
+                f"{self.process_groups} process groups, {self.resident_mib:.0f} MiB resident{device}")
 
 
 @dataclass(frozen=True)
 class PlanPublished(Event):
-    """The coordinator published the plan of `generation`: `kind` is start, restart or the
-    migration's; `lost` and `broken` are the layout's workers it was made without (lost)
-    or whose WORLD broke under them."""
+    """The coordinator published the plan of `generation`: `kind` is start, restart, the
+    migration's, or save-and-exit (the layout's workers write a checkpoint and leave: the
+    job stops until workers come back); `lost` and `broken` are the layout's workers it
+    was made without (lost) or whose WORLD broke under them."""
 
     NAME = "plan_published"
     generation: int

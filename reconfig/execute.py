@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from reconfig import optimizer_state
 from reconfig.optimizer_state import (
     STATE_KEYS,
     LossScale,
+    chunks_of,
     export_param_states,
     import_param_states,
     initialize_optimizer_states,
@@ -195,6 +197,10 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None) -> list
     for t, header, payload, waits in bodies:
         for w in waits:
             w.wait()
+        # Held in host memory until the new layout is built and filled: the device then
+        # holds the new layout only.
+        payload = planes.host_copy(payload)
+        planes.host_copies_done()
         offset = 0
         for name, key, count in _parse_header(header.numpy().tobytes(), t.src, payload.numel()):
             received.append(_Received(name, key, t.split_range, t.shard_range, payload[offset: offset + count]))
@@ -206,10 +212,12 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None) -> list
 
 def _assemble(runtime: Runtime, held: HeldState | None, received: list[_Received],
               sharded_keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
-    """Every new local parameter's state: what this worker kept plus what it received.
+    """Every new local parameter's state, in host memory: what this worker kept plus what
+    it received.
 
     Keys in `sharded_keys` (distributed-optimizer moments) arrive only for this rank's
-    DP shard; the disjoint shards are summed over the new DP group to make them whole.
+    DP shard; the disjoint shards are summed over the new DP group to make them whole, a
+    chunk at a time on the data plane.
     """
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -220,8 +228,8 @@ def _assemble(runtime: Runtime, held: HeldState | None, received: list[_Received
     for name, shard in shards.items():
         states[name] = {}
         for key in STATE_KEYS:
-            states[name][key] = torch.zeros(shard.param.shape, dtype=torch.float32, device=shard.param.device)
-            filled[name, key] = torch.zeros(shard.param.shape, dtype=torch.bool, device=shard.param.device)
+            states[name][key] = torch.zeros(shard.param.shape, dtype=torch.float32)
+            filled[name, key] = torch.zeros(shard.param.shape, dtype=torch.bool)
         if held is None or name not in held.tensors:
             continue
         old = held.shards[name]
@@ -253,13 +261,16 @@ def _assemble(runtime: Runtime, held: HeldState | None, received: list[_Received
         if key in sharded_keys:
             states[name][key].masked_fill_(~_own(mask, shards[name], tp_rank, tp_size, own_shard), 0.0)
     if sharded_keys and dp_size > 1:
-        flat = planes.on_data_plane(torch.cat([states[n][k].reshape(-1) for n in shards for k in sharded_keys]))
-        dist.all_reduce(flat, group=ps.get_data_parallel_group())
-        offset = 0
-        for n in shards:
-            for k in sharded_keys:
-                states[n][k].view(-1).copy_(flat[offset: offset + states[n][k].numel()])
-                offset += states[n][k].numel()
+        parts = [states[n][k].view(-1) for n in shards for k in sharded_keys]
+        for chunk in chunks_of([p.numel() for p in parts], optimizer_state.GATHER_CHUNK_ELEMENTS):
+            flat = planes.on_data_plane(torch.cat([parts[i] for i in chunk]))
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            summed = planes.host_copy(flat)
+            planes.host_copies_done()
+            offset = 0
+            for i in chunk:
+                parts[i].copy_(summed[offset: offset + parts[i].numel()])
+                offset += parts[i].numel()
     return states
 
 
@@ -331,8 +342,29 @@ def _agree_on_progress(held: HeldState | None, consumed_samples: int) -> tuple[C
     return Counters(step, scheduler_steps, scale), consumed
 
 
+class _DevicePeaks:
+    """This process's peak device memory before and during its current layout change
+    (None without a GPU): the change must stay near the steady state's."""
+
+    def __init__(self) -> None:
+        self.steady_mib: float | None = None
+
+    def begin(self) -> None:
+        if torch.cuda.is_available():
+            self.steady_mib = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+
+    @staticmethod
+    def since_begin_mib() -> float | None:
+        return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+_device_peaks = _DevicePeaks()
+
+
 def hand_over(runtime: Runtime) -> HeldState:
     """Take this worker's state out of its layout, then drop the layout."""
+    _device_peaks.begin()
     held = export_held_state(runtime)
     release_runtime(runtime)
     return held
@@ -348,6 +380,8 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
     generation. `held` is None for a worker that holds nothing (joining); its
     `consumed_samples` is replaced by what the holders agree on.
     """
+    if held is None:
+        _device_peaks.begin()
     new_slots = plan.new.slots
     senders = sorted({t.src for t in plan.transfers} - set(new_slots))
     members = tuple(new_slots) + tuple(senders)
@@ -404,9 +438,12 @@ class ChangeFigures:
     seconds: float  # from `started` until the new layout could train
     process_groups: int  # live after it (a leak shows here)
     resident_mib: float
+    device_peak_mib: float | None  # during the change (None without a GPU)
+    steady_device_peak_mib: float | None  # before it, in the old layout
 
 
 def change_figures(plan: MigrationPlan, started: float) -> ChangeFigures:
     """The figures of `plan`, applied since time.perf_counter() read `started`."""
     return ChangeFigures(plan.kind, plan.new.parallelism, plan.bytes_total(), time.perf_counter() - started,
-                         live_process_groups(), resident_mib())
+                         live_process_groups(), resident_mib(), _device_peaks.since_begin_mib(),
+                         _device_peaks.steady_mib)

@@ -25,6 +25,9 @@ from reconfig import compat, planes
 from reconfig.tensors import ParamShard, param_shards, unwrap
 
 STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")
+# The distributed optimizer's state is gathered over DP this many elements at a time, so
+# the device holds one chunk of full state beside the layout, not all of it.
+GATHER_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -140,7 +143,9 @@ def load_loss_scale_state(optimizer, state: LossScale | None) -> None:
 
 
 def export_param_states(model_chunks, optimizer) -> list[ParamState]:
-    """This rank's state of every local parameter (a collective over DP with the distributed optimizer)."""
+    """This rank's state of every local parameter, in host memory (a collective over DP
+    with the distributed optimizer): a layout change or a save then needs no device
+    memory beyond the layout's own."""
     shards = _shards(model_chunks)
     by_param = {s.param: s for s in shards}
     out: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
@@ -152,32 +157,52 @@ def export_param_states(model_chunks, optimizer) -> list[ParamState]:
         for model_param, main in _main_params(opt).items():
             state = opt.optimizer.state.get(main, {})
             out[model_param] = {
-                "param": main.detach().float().clone(),
-                **{k: state[k].detach().float().clone() if k in state else torch.zeros_like(main, dtype=torch.float32)
+                "param": planes.host_copy(main),
+                **{k: planes.host_copy(state[k]) if k in state else torch.zeros(main.shape, dtype=torch.float32)
                    for k in STATE_KEYS[1:]},
             }
+    planes.host_copies_done()
     return [ParamState(by_param[p], tensors) for p, tensors in out.items() if p in by_param]
 
 
+def chunks_of(sizes: list[int], limit: int) -> list[range]:
+    """Consecutive index ranges whose sizes sum to at most `limit` (or one item above it)."""
+    out, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and total + size > limit:
+            out.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
 def _gather_distributed(opt: DistributedOptimizer, shards: list[ParamShard]) -> dict:
-    """Every DP rank holds a flat range of each parameter's state: sum the disjoint ranges."""
+    """Every DP rank holds a flat range of each parameter's state: sum the disjoint ranges,
+    a chunk of parameters at a time, into host memory."""
     sizes = [s.param.numel() for s in shards]
-    flat = planes.data_buffer(len(STATE_KEYS) * sum(sizes), torch.float32)
-    rows = flat.view(len(STATE_KEYS), sum(sizes))
-    offset = 0
-    for shard, size in zip(shards, sizes):
-        if shard.param in opt.model_param_group_index_map:
-            rng = compat.param_range(opt, shard.param)
-            local = compat.main_param_and_optimizer_states(opt, shard.param)
-            for i, key in enumerate(STATE_KEYS):
-                rows[i, offset + rng.start: offset + rng.end] = local[key].detach().float().view(-1)
-        offset += size
-    dist.all_reduce(flat, group=ps.get_data_parallel_group())
-    out, offset = {}, 0
-    for shard, size in zip(shards, sizes):
-        out[shard.param] = {key: rows[i, offset: offset + size].view(shard.param.shape).clone()
-                            for i, key in enumerate(STATE_KEYS)}
-        offset += size
+    out = {}
+    for chunk in chunks_of(sizes, GATHER_CHUNK_ELEMENTS):
+        total = sum(sizes[i] for i in chunk)
+        flat = planes.data_buffer(len(STATE_KEYS) * total, torch.float32)
+        rows = flat.view(len(STATE_KEYS), total)
+        offset = 0
+        for i in chunk:
+            shard = shards[i]
+            if shard.param in opt.model_param_group_index_map:
+                rng = compat.param_range(opt, shard.param)
+                local = compat.main_param_and_optimizer_states(opt, shard.param)
+                for k, key in enumerate(STATE_KEYS):
+                    rows[k, offset + rng.start: offset + rng.end] = local[key].detach().float().view(-1)
+            offset += sizes[i]
+        dist.all_reduce(flat, group=ps.get_data_parallel_group())
+        offset = 0
+        for i in chunk:
+            out[shards[i].param] = {key: planes.host_copy(rows[k, offset: offset + sizes[i]].view(shards[i].param.shape))
+                                    for k, key in enumerate(STATE_KEYS)}
+            offset += sizes[i]
+        planes.host_copies_done()  # before the chunk's device buffer is reused
     return out
 
 

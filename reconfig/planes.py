@@ -64,6 +64,21 @@ def on_data_plane(tensor: torch.Tensor) -> torch.Tensor:
     return _mark(tensor.to(data_device()), DATA)
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp32 host copy of `tensor`, in pinned memory when it comes from a GPU (the copy
+    back to a device is then a fast DMA); call `host_copies_done` before relying on it."""
+    if tensor.device.type == "cpu":
+        return tensor.detach().float().clone()
+    host = torch.empty(tensor.shape, dtype=torch.float32, pin_memory=True)
+    return host.copy_(tensor.detach(), non_blocking=True)
+
+
+def host_copies_done() -> None:
+    """Wait for the GPU to finish the `host_copy`s issued so far."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def control_barrier() -> None:
     """A barrier over WORLD on the control plane (dist.barrier picks the GPU where NCCL is one
     of WORLD's backends)."""

@@ -116,6 +116,10 @@ def read_findings(out_dir: Path) -> tuple[set[tuple[str, str]], list[str]]:
 if __name__ == "__main__":
     out, script, *rest = sys.argv[1:]
     Probe(Path(out)).install()
+    # Small chunks, so that the chunked gathers of optimizer state run in many pieces.
+    from reconfig import optimizer_state
+
+    optimizer_state.GATHER_CHUNK_ELEMENTS = 4096
     sys.argv = [script, *rest]
     sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")

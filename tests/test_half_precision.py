@@ -12,13 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from collective_probe import read_findings
 from helpers import SMALL_GPT, layout_flags, torchrun, write_tracker
 from megatron_parcae.events import Iteration
 from megatron_parcae.training.checkpointing import PROGRESS
-from reconfig.optimizer_state import LossScale, set_step_count, step_count
+from reconfig.optimizer_state import LossScale
 
 ITERS, CHANGE = 10, 5
 INITIAL_SCALE = 2.0**20
@@ -93,33 +92,3 @@ def test_in_place_change_equals_checkpoint_restart(tiny_data, tmp_path, precisio
         expected |= {("reconfig/optimizer_state.py:_gather_distributed:all_reduce", "data"),
                      ("reconfig/execute.py:_assemble:all_reduce", "data")}
     assert expected <= sites, expected - sites
-
-
-def test_adam_step_is_read_and_written_per_group_as_fused_adam_keeps_it():
-    """Transformer Engine's and apex's FusedAdam keep `step` in each parameter group."""
-    param = torch.nn.Parameter(torch.ones(3))
-    adam = torch.optim.Adam([param])
-    param.grad = torch.ones(3)
-    adam.step()
-    optimizer = type("MegatronOptimizer", (), {"optimizer": adam})()
-    assert step_count(optimizer) == 1
-    adam.param_groups[0]["step"] = 7
-    assert step_count(optimizer) == 7
-    set_step_count(optimizer, 3)
-    assert adam.param_groups[0]["step"] == 3 and int(adam.state[param]["step"]) == 3
-
-
-@pytest.mark.parametrize("raw", [None, [], {"scale": 1.0}, {"scale": 0, "growth_tracker": 0, "hysteresis_tracker": 2},
-                                 {"scale": float("inf"), "growth_tracker": 0, "hysteresis_tracker": 2},
-                                 {"scale": True, "growth_tracker": 0, "hysteresis_tracker": 2},
-                                 {"scale": 8.0, "growth_tracker": -1, "hysteresis_tracker": 2},
-                                 {"scale": 8.0, "growth_tracker": 1.5, "hysteresis_tracker": 2},
-                                 {"scale": 8.0, "growth_tracker": 0, "hysteresis_tracker": 2, "extra": 1}])
-def test_a_bad_loss_scale_record_is_refused(raw):
-    with pytest.raises(ValueError):
-        LossScale.from_dict(raw)
-
-
-def test_loss_scale_round_trips():
-    scale = LossScale(65536.0, 2, 1)
-    assert LossScale.from_dict(json.loads(json.dumps(scale.to_dict()))) == scale

@@ -161,13 +161,29 @@ def test_an_instance_nic_carries_all_its_workers_bytes_within_the_grace_period()
     assert cost(placement).restart  # one NIC for both: twice the bytes, past the grace period
 
 
-def test_cost_constants_need_the_intra_instance_bandwidth(tmp_path):
+@pytest.mark.parametrize("name", ["intra_instance_bytes_per_second", "host_copy_bytes_per_second"])
+def test_cost_constants_need_the_bandwidths(tmp_path, name):
     data = json.loads(DEFAULT_CONSTANTS.read_text())
-    del data["intra_instance_bytes_per_second"]
+    del data[name]
     path = tmp_path / "c.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(CostConstantsError, match="intra_instance_bytes_per_second: expected a positive number"):
+    with pytest.raises(CostConstantsError, match=f"{name}: expected a positive number"):
         CostConstants.load(path)
+
+
+def test_a_change_pays_for_staging_state_in_host_memory():
+    """Each worker's state goes to host memory and back: the most a rank held before plus
+    the most one holds after, at the host-copy bandwidth."""
+    old = Layout(Parallelism(1, 2, 2, (24, 24)), (0, 1, 2, 3))
+    costs = MigrationCostModel(CONSTANTS, GPT_1_5B)
+    plan = plan_migration(MigrationRequest(old, old.workers, frozenset(), frozenset()),
+                          Parallelism(1, 4, 1, (12, 12, 12, 12)), GPT_1_5B)
+    cost = costs.plan_cost(plan)
+    before, after = costs.state_bytes(old.parallelism), costs.state_bytes(plan.new.parallelism)
+    assert after < 0.6 * before  # a quarter of the layers, not half
+    assert cost.staging_seconds == pytest.approx((before + after) / CONSTANTS.host_copy_bytes_per_second)
+    assert cost.seconds == pytest.approx(cost.world_seconds + cost.groups_seconds + cost.staging_seconds
+                                         + max(cost.build_seconds, cost.transfer_seconds))
 
 
 # ---- the tools ------------------------------------------------------------------------------

@@ -95,6 +95,7 @@ class CostConstants:
     checkpoint_save_load_seconds: float
     grace_period_seconds: float
     intra_instance_bytes_per_second: float  # between two GPUs of one instance
+    host_copy_bytes_per_second: float  # between a GPU and pinned host memory
     models: dict[str, ModelShape]
 
     @classmethod
@@ -119,11 +120,11 @@ class CostConstants:
             values[name] = float(value)
         if values["interval_seconds"] <= 0:
             raise CostConstantsError(f"{where}: interval_seconds must be positive")
-        intra = data.get("intra_instance_bytes_per_second")
-        if isinstance(intra, bool) or not isinstance(intra, (int, float)) or not (math.isfinite(intra) and intra > 0):
-            raise CostConstantsError(f"{where}: intra_instance_bytes_per_second: expected a positive number, "
-                                     f"got {intra!r}")
-        values["intra_instance_bytes_per_second"] = float(intra)
+        for name in ("intra_instance_bytes_per_second", "host_copy_bytes_per_second"):
+            rate = data.get(name)
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
+                raise CostConstantsError(f"{where}: {name}: expected a positive number, got {rate!r}")
+            values[name] = float(rate)
         table = data.get("p2p_bytes_to_microseconds")
         if not isinstance(table, dict) or not table:
             raise CostConstantsError(f"{where}: p2p_bytes_to_microseconds: expected an object of size -> microseconds")
@@ -177,7 +178,8 @@ class CostConstants:
 class MigrationCost:
     """Seconds a layout change takes, by part; `restart` when state had to come from a checkpoint.
 
-    In place, building chunks overlaps receiving state; a restart builds, then reloads.
+    In place, building chunks overlaps receiving state, and held state goes to host memory
+    and back (`staging_seconds`); a restart builds, then reloads.
     """
 
     world_seconds: float
@@ -185,12 +187,14 @@ class MigrationCost:
     build_seconds: float
     transfer_seconds: float
     restart: bool = False
+    staging_seconds: float = 0.0
 
     @property
     def seconds(self) -> float:
         if self.restart:
             return self.world_seconds + self.groups_seconds + self.build_seconds + self.transfer_seconds
-        return self.world_seconds + self.groups_seconds + max(self.build_seconds, self.transfer_seconds)
+        return (self.world_seconds + self.groups_seconds + self.staging_seconds
+                + max(self.build_seconds, self.transfer_seconds))
 
 
 NO_COST = MigrationCost(0.0, 0.0, 0.0, 0.0)
@@ -230,6 +234,7 @@ class MigrationCostModel:
         self.constants = constants
         self.shape = shape
         self._layer_params: dict[tuple[Parallelism, int], float] = {}
+        self._state_bytes: dict[Parallelism, float] = {}
         self._same_chunk: dict[tuple[Parallelism, Parallelism], np.ndarray] = {}
 
     def layer_params(self, parallelism: Parallelism, stage: int) -> float:
@@ -256,7 +261,8 @@ class MigrationCostModel:
         if new == old:
             return NO_COST
         transfer, leaving = self._transfer_seconds(plan)
-        if leaving > c.grace_period_seconds:
+        stage_out = self.state_bytes(old.parallelism) / c.host_copy_bytes_per_second
+        if stage_out + leaving > c.grace_period_seconds:
             return self.restart_cost(new.parallelism, joining=bool(new.workers - old.workers))
         workers = old.workers
         old_rank = np.array([old.rank_of(w) if w in workers else -1 for w in new.slots])
@@ -268,7 +274,19 @@ class MigrationCostModel:
         stages = np.arange(new.parallelism.world_size) // (new.tp * new.dp)
         build = max((self.layer_params(new.parallelism, int(s)) for s in np.unique(stages[rebuilds])), default=0.0)
         return MigrationCost(c.world_init_seconds, self.groups_seconds(new.parallelism, joined),
-                             build * c.model_build_seconds_per_param, transfer)
+                             build * c.model_build_seconds_per_param, transfer,
+                             staging_seconds=stage_out + self.state_bytes(new.parallelism) / c.host_copy_bytes_per_second)
+
+    def state_bytes(self, parallelism: Parallelism) -> float:
+        """The most training state one rank of `parallelism` holds (its stage's TP share).
+        A change stages it in host memory (reconfig/execute.py): out of the old layout
+        before it is dropped, into the new one once built."""
+        held = self._state_bytes.get(parallelism)
+        if held is None:
+            held = self._state_bytes[parallelism] = max(
+                sum(u.split_params / parallelism.tp + u.replicated_params for u in parallelism.stage_units(self.shape, s))
+                for s in range(parallelism.pp)) * self.shape.state_bytes_per_param
+        return held
 
     def _transfer_seconds(self, plan: MigrationPlan) -> tuple[float, float]:
         """(seconds until every byte of `plan` has arrived, seconds until the leaving
@@ -311,10 +329,7 @@ class MigrationCostModel:
         the job starts from a stored checkpoint (nothing runs, nothing to save, all join)."""
         c = self.constants
         groups = self.groups_seconds(target, np.full(target.world_size, joining or cold))
-        width = self.shape.state_bytes_per_param
-        shard = max(sum(u.split_params / target.tp + u.replicated_params for u in target.stage_units(self.shape, s))
-                    for s in range(target.pp)) * width
-        return self._restart(target, joining or cold, groups, c.transfer_seconds(shard), cold)
+        return self._restart(target, joining or cold, groups, c.transfer_seconds(self.state_bytes(target)), cold)
 
     def reactive_restart_cost(self, target: Parallelism, joining: bool, cold: bool = False) -> MigrationCost:
         """A restart of Parcae's own engine, as its artifact prices its reactive baseline:

@@ -217,7 +217,7 @@ def load(root: str, runtime):
     template = {}
     for shard in shards:
         for key in STATE_KEYS:
-            empty = torch.empty(shard.param.shape, dtype=torch.float32, device=shard.param.device)
+            empty = torch.empty(shard.param.shape, dtype=torch.float32)  # host: written into the optimizer next
             item = _sharded(shard, key, empty, _is_tied_copy(shard))
             template[item.key] = item
     loaded = dist_checkpointing.load(template, str(directory))
