@@ -108,6 +108,7 @@ _DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
 PROCESS_GROUP_MAP = Reach("torch", _C10D, "_world.pg_map")
 GROUP_COUNT = Reach("torch", _C10D, "_world.group_count")
 DEFAULT_STORE = Reach("torch", _C10D, "_get_default_store")
+SET_GROUP_TIMEOUT = Reach("torch", _C10D, "_set_pg_timeout")
 MEGATRON_GROUP_LIST = Reach("megatron-core", _PS, "_global_process_group_list")
 PARALLEL_STATE_GLOBALS = tuple(Reach("megatron-core", _PS, name) for name in _STALE_AFTER_DESTROY)
 WRITE_RESULTS_QUEUE = Reach("megatron-core", "megatron.core.dist_checkpointing.strategies.filesystem_async",
@@ -121,7 +122,7 @@ PARAM_RANGE_MAP = Reach("megatron-core", _DISTRIB_OPTIMIZER, "DistributedOptimiz
 MAIN_PARAM_AND_STATES = Reach("megatron-core", _DISTRIB_OPTIMIZER,
                               "DistributedOptimizer._get_main_param_and_optimizer_states")
 
-REACHES = (PROCESS_GROUP_MAP, GROUP_COUNT, DEFAULT_STORE, MEGATRON_GROUP_LIST, *PARALLEL_STATE_GLOBALS,
+REACHES = (PROCESS_GROUP_MAP, GROUP_COUNT, DEFAULT_STORE, SET_GROUP_TIMEOUT, MEGATRON_GROUP_LIST, *PARALLEL_STATE_GLOBALS,
            WRITE_RESULTS_QUEUE, RNG_TRACKER, RNG_TRACKER_INITIALIZED, INIT_OPTIMIZER_STATES, PARAM_RANGE_MAP,
            MAIN_PARAM_AND_STATES)
 
@@ -132,6 +133,12 @@ REACHES = (PROCESS_GROUP_MAP, GROUP_COUNT, DEFAULT_STORE, MEGATRON_GROUP_LIST, *
 def process_group_map() -> dict:
     """Every process group this process holds, WORLD included (torch has no public list)."""
     return PROCESS_GROUP_MAP.get()
+
+
+def set_group_timeout(timeout, group=None) -> None:
+    """Change how long `group`'s collectives (WORLD's by default) wait, on each of its
+    backends (torch sets it only at creation in public)."""
+    SET_GROUP_TIMEOUT.get()(timeout, group)
 
 
 def reset_group_count() -> None:

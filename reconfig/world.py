@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -51,6 +52,23 @@ def is_peer_failure(exc: BaseException) -> bool:
     if isinstance(exc, (WorldBroken, dist.DistError)):
         return True
     return isinstance(exc, RuntimeError) and _PEER_FAILURE.search(str(exc)) is not None
+
+
+@contextmanager
+def patient(group, timeout: timedelta, usual: timedelta) -> Iterator[None]:
+    """Let `group`'s collectives wait up to `timeout` inside the block, `usual` after it.
+
+    The usual timeout is short where a silent peer must count as failed soon (one lease
+    period); a synchronous save or the first set-up of NCCL communicators can take longer
+    on a healthy job, and must not break WORLD."""
+    if timeout <= usual:
+        yield
+        return
+    compat.set_group_timeout(timeout, group)
+    try:
+        yield
+    finally:
+        compat.set_group_timeout(usual, group)
 
 
 def live_process_groups() -> int:

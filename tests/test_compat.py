@@ -135,3 +135,42 @@ def test_checkpoint_results_queue_survives_a_notice_and_dies_with_the_trainer():
     finally:
         trainer.kill()
         trainer.wait()
+
+
+_SLOW_PEER = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from reconfig.world import patient
+
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+usual = timedelta(seconds=1)
+store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=usual)
+with patient(None, timedelta(seconds=30), usual):  # rank 1 is 3 s late: waited for
+    if rank:
+        time.sleep(3)
+    dist.all_reduce(torch.ones(1))
+try:  # the usual timeout is back: rank 1 late again breaks the collective on rank 0
+    if rank:
+        time.sleep(4)
+    dist.all_reduce(torch.ones(1))
+    print("no timeout", flush=True)
+except RuntimeError:
+    print("timed out", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_patient_collective_waits_longer_then_the_usual_timeout_is_back():
+    port = 20000 + os.getpid() % 20000
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ranks = [subprocess.Popen([sys.executable, "-c", _SLOW_PEER, str(r), str(port)], env=env, cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        out0, err0 = ranks[0].communicate(timeout=120)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    assert "timed out" in out0, (out0, err0[-2000:])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megatron_parcae import events
+from megatron_parcae.training.device import SAVE_TIMEOUT
 from reconfig import compat, planes
 from reconfig.optimizer_state import (
     STATE_KEYS,
@@ -37,6 +39,7 @@ from reconfig.optimizer_state import (
 )
 from megatron_parcae.training.progress import Progress
 from reconfig.tensors import WORD_EMBEDDING, ParamShard, param_shards, unwrap
+from reconfig.world import patient
 
 TRACKER = "latest_checkpointed_iteration.txt"
 PROGRESS = "parcae_progress.json"
@@ -97,9 +100,10 @@ class Checkpointer:
     WORLD); a broken WORLD `abandon()`s it, and the previous checkpoint stays the newest.
     """
 
-    def __init__(self, root: str | None, asynchronous: bool) -> None:
+    def __init__(self, root: str | None, asynchronous: bool, collective_timeout: timedelta = SAVE_TIMEOUT) -> None:
         self.root = root
         self.asynchronous = asynchronous
+        self.collective_timeout = collective_timeout  # WORLD's usual one; saves may take SAVE_TIMEOUT
         if root is not None:
             compat.install_write_results_queue()
         self.newest: int | None = None  # the iteration of the last save this process completed
@@ -111,6 +115,10 @@ class Checkpointer:
         """Save the runtime's state at `progress` (collective over all ranks)."""
         assert self.root is not None
         self.finish()
+        with patient(None, SAVE_TIMEOUT, self.collective_timeout):
+            self._save(runtime, progress)
+
+    def _save(self, runtime, progress) -> None:
         _drop_stale_write_results()
         states = export_param_states(runtime.model, runtime.optimizer)
         sharded = {}
@@ -147,7 +155,8 @@ class Checkpointer:
     def finish(self) -> None:
         """Wait for the save in flight and complete it (collective while one is)."""
         if self._in_flight is not None:
-            self._in_flight.maybe_finalize_async_calls(blocking=True)
+            with patient(None, SAVE_TIMEOUT, self.collective_timeout):
+                self._in_flight.maybe_finalize_async_calls(blocking=True)
             self._in_flight = None  # kept on failure: abandon() must wait for its writer
 
     def behind(self, iteration: int) -> bool:

@@ -12,10 +12,21 @@ import torch.distributed as dist
 from megatron_parcae.training.cpu import enable_cpu_support
 from reconfig.world import process_group_backend
 
+# Healthy collectives that can outlast the short timeout of a live job's collectives:
+# a synchronous save's, and the first one of a group on NCCL (its communicator forms then).
+SAVE_TIMEOUT = timedelta(minutes=30)
+SETUP_TIMEOUT = timedelta(minutes=10)
+
 
 def prepare_device() -> None:
-    """The GPU of LOCAL_RANK, or megatron-core's CPU support when there is none."""
+    """The GPU of LOCAL_RANK, or megatron-core's CPU support when there is none.
+
+    On GPUs a failed or timed-out NCCL collective aborts its communicators and raises in
+    the training thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) instead of ending the process
+    (torch's default), so a survivor keeps its state and recovers as on CPU; a value the
+    user set is kept."""
     if torch.cuda.is_available():
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         enable_cpu_support()

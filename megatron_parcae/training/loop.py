@@ -21,6 +21,7 @@ from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.control.etcd.client import EtcdClient
 from megatron_parcae.training import checkpointing
 from megatron_parcae.training.data.datasets import build_tokenizer, build_train_dataset
+from megatron_parcae.training.device import collective_timeout
 from megatron_parcae.training.hooks import build_hook
 from megatron_parcae.training.hooks.live import LiveJobError, WorkerFenced
 from megatron_parcae.training.models import padded_vocab_size
@@ -49,7 +50,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
     events.open_training_events(args.parcae_events)
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
-    checkpoints = checkpointing.Checkpointer(args.save, args.async_save)
+    checkpoints = checkpointing.Checkpointer(args.save, args.async_save, collective_timeout(args))
     # A change releases the WORLD a save in flight needs: the hook completes it first.
     hook = build_hook(args, vocab, LayoutRuntime, client, before_change=checkpoints.finish)
     dataset = build_train_dataset(args, tokenizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -27,12 +28,12 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_parcae.training.data.datasets import rank_micro_batches, step_iterator
-from megatron_parcae.training.device import collective_timeout
+from megatron_parcae.training.device import SETUP_TIMEOUT, collective_timeout
 from megatron_parcae.training.models import build_model_chunk, transformer_config, wrap_for_training
 from megatron_parcae.training.progress import Progress
 from reconfig import planes
 from reconfig.tensors import unwrap
-from reconfig.world import release_parallel_state
+from reconfig.world import patient, release_parallel_state
 
 
 @dataclass
@@ -149,6 +150,7 @@ class LayoutRuntime:
         destroy_num_microbatches_calculator()
         init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size,
                                          args.micro_batch_size, self.dp_size)
+        _set_up_communicators(collective_timeout(args))
 
     def train_step(self, dataset, progress: Progress, report: bool) -> StepResult:
         """One global batch. With `report`, losses are reduced to every rank (a collective)."""
@@ -186,6 +188,21 @@ class LayoutRuntime:
         """Drop this layout's objects and process groups (megatron-core forgets some)."""
         self.model = self.optimizer = self.scheduler = None
         release_parallel_state()
+
+
+def _set_up_communicators(usual: timedelta) -> None:
+    """One small data-plane collective on each of this layout's groups, allowed
+    SETUP_TIMEOUT: NCCL forms a group's communicator at its first collective, which can
+    take longer than a live job's short timeout, and must not be taken for a lost peer.
+    Every rank goes through its groups in the same order."""
+    getters = (ps.get_tensor_model_parallel_group, ps.get_pipeline_model_parallel_group,
+               partial(ps.get_data_parallel_group, with_context_parallel=True), ps.get_model_parallel_group,
+               ps.get_embedding_group)
+    for get in getters:
+        group = get()
+        if dist.get_world_size(group) > 1:
+            with patient(group, SETUP_TIMEOUT, usual):
+                dist.all_reduce(planes.data_buffer(1, torch.float32), group=group)
 
 
 def _global_mean_losses(outputs: list[dict[str, torch.Tensor]], total_micro_batches: int) -> dict[str, float]:
