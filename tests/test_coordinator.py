@@ -28,7 +28,7 @@ from helpers import LEASE_S, new_job, python_child, wait_for
 from megatron_parcae import cli
 from megatron_parcae.control.coordinator import ConfigError, Coordinator, CoordinatorConfig
 from megatron_parcae.control.etcd import JobStore, KeptLease, SchemaError
-from megatron_parcae.control.etcd.keys import CoordinatorState, MemberRecord, NoticeRecord
+from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, TRAIN, CoordinatorState, MemberRecord, NoticeRecord
 from megatron_parcae.control.status import collect, render
 from reconfig.layout import Layout
 from reconfig.plan import MigrationPlan
@@ -57,10 +57,12 @@ def write_config(folder: Path, **overrides) -> Path:
 class Worker:
     """A member record on its own lease, standing in for a training process."""
 
-    def __init__(self, store: JobStore, worker_id: int, pid: int | None = None, instance: str | None = None) -> None:
+    def __init__(self, store: JobStore, worker_id: int, pid: int | None = None, instance: str | None = None,
+                 can_save: bool = False) -> None:
         self.store, self.worker_id = store, worker_id
         self.lease = KeptLease(store.client, LEASE_S)
-        self.record = MemberRecord(worker_id, instance or f"node-{worker_id}", pid or 1000 + worker_id, time.time(), 0)
+        self.record = MemberRecord(worker_id, instance or f"node-{worker_id}", pid or 1000 + worker_id, time.time(), 0,
+                                   can_save=can_save)
         assert store.register_member(self.record, self.lease.id) is not None
 
     def acknowledge(self, generation: int) -> None:
@@ -288,6 +290,57 @@ def test_member_whose_notice_expired_is_dropped_and_fenced(job):
         assert 0 not in layout.workers
         wait_for(lambda: workers[0].lease.lost, WAIT_S, "worker 0's lease to be revoked")
         assert 0 not in store.members() and {1, 2} <= set(store.members())
+
+
+def test_job_leaving_at_once_saves_and_exits_then_resumes_on_new_workers(job):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w, can_save=True) for w in range(3)]
+    with running(store, write_config(tmp_path, **{"min-workers": 3})):
+        first = wait_generation(store, 1)
+        for worker in workers:
+            worker.acknowledge(1)
+        # not every worker leaves: the others take the state over, as they always did
+        leaving = first.slots[0]
+        workers[leaving].notice(20.0)
+        second = wait_generation(store, 2)
+        assert store.plan(2).action == TRAIN and migration(store, 2).request.leaving == {leaving}
+        for worker in second.workers:
+            workers[worker].acknowledge(2)
+        # then the others hear theirs together: nobody is left to take the state over
+        rest = sorted(set(range(3)) - {leaving})
+        for worker in rest:
+            workers[worker].notice(20.0)
+        assert wait_generation(store, 3) == second
+        assert store.plan(3).action == SAVE_AND_EXIT and store.plan(3).migration is None
+        saving = decision(store, 3)
+        assert saving["kind"] == SAVE_AND_EXIT and "save a checkpoint and exit" in saving["reason"]
+        assert f"notice from workers {sorted(second.workers)}" in saving["reason"]
+        # new processes come while the old ones still save: the job resumes once they are done
+        workers += [Worker(store, w, can_save=True) for w in (3, 4, 5)]
+        time.sleep(1.0)
+        assert store.current_generation() == 3
+        savers = sorted(second.workers)
+        workers[savers[0]].acknowledge(3)  # saved, and stays on standby without a notice
+        for worker in savers[1:]:
+            workers[worker].vanish()  # saved and exited
+        resumed = wait_generation(store, 4)
+        assert resumed.workers <= {3, 4, 5} and store.plan(4).migration is None and store.plan(4).action == TRAIN
+        restart = decision(store, 4)
+        assert restart["kind"] == "restart" and "resume from the checkpoint of generation 3" in restart["reason"]
+
+
+def test_job_leaving_without_save_directories_is_not_asked_to_save(job, caplog):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(2)]  # their member records say: no --save
+    with running(store, write_config(tmp_path, **{"min-workers": 2})):
+        layout = wait_generation(store, 1)
+        for worker in workers:
+            worker.acknowledge(1)
+        for worker in workers:
+            worker.notice(20.0)
+        why = f"workers {sorted(layout.workers)} run without --save: the job cannot save and exit"
+        wait_for(lambda: why in caplog.text, WAIT_S, "the coordinator to say why the job cannot save")
+        assert store.current_generation() == 1
 
 
 def coordinator_child(endpoint: str, job: str, config: Path, log: Path) -> subprocess.Popen:

@@ -30,7 +30,14 @@ from megatron_parcae.control.etcd import (
     PlanEnvelope,
     SchemaError,
 )
-from megatron_parcae.control.etcd.keys import MemberRecord, NoticeRecord, ProgressRecord, StepReport
+from megatron_parcae.control.etcd.keys import (
+    SAVE_AND_EXIT,
+    TRAIN,
+    MemberRecord,
+    NoticeRecord,
+    ProgressRecord,
+    StepReport,
+)
 from helpers import LEASE_S, envelope, first_layout, new_job, python_child
 
 # -- schema through a real server -------------------------------------------------------
@@ -106,6 +113,31 @@ def test_malformed_generation_and_plans_are_refused(client):
             store.latest_plan()
     with pytest.raises(SchemaError, match="refused new PlanEnvelope"):
         PlanEnvelope(3, time.time(), bad_layout["layout"], None).encode()
+
+
+def test_save_and_exit_plans_are_checked_and_older_records_still_load(client):
+    store = JobStore(client, new_job())
+    saving = PlanEnvelope(2, time.time(), first_layout([0, 1]).to_dict(), None, SAVE_AND_EXIT)
+    assert store.publish_plan(envelope(1, [0, 1])) and store.publish_plan(saving)
+    assert store.latest_plan() == saving
+    migrating = envelope(2, [0, 1], previous=[0]).to_dict()
+    for body, why in [
+        ({**saving.to_dict(), "action": "reboot"}, r"action: 'reboot' is not one of train, save-and-exit"),
+        ({**saving.to_dict(), "action": None}, "action: expected str, got NoneType"),
+        ({**migrating, "action": SAVE_AND_EXIT}, "migration: a save-and-exit plan moves no state"),
+    ]:
+        client.put(store.keys.plan(2), json.dumps(body).encode())
+        with pytest.raises(SchemaError, match=why) as info:
+            store.latest_plan()
+        assert store.keys.plan(2) in str(info.value)
+    with pytest.raises(SchemaError, match="refused new PlanEnvelope.migration"):
+        PlanEnvelope(**{**migrating, "action": SAVE_AND_EXIT}).encode()
+    # Records written before `action` and `can_save` existed: a training plan, a worker without --save.
+    client.put(store.keys.plan(2), json.dumps({k: v for k, v in migrating.items() if k != "action"}).encode())
+    assert store.latest_plan().action == TRAIN
+    member = MemberRecord(7, "node-a", 4242, 1.0, 0).to_dict()
+    client.put(store.keys.member(7), json.dumps({k: v for k, v in member.items() if k != "can_save"}).encode())
+    assert store.members()[7].can_save is False
 
 
 JSON = st.recursive(

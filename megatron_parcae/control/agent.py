@@ -98,7 +98,8 @@ def default_instance() -> str:
 
 
 class ParcaeAgent:
-    """Membership, preemption notices, plan delivery and step reports of one process."""
+    """Membership, preemption notices, plan delivery and step reports of one process.
+    `can_save` goes into its member record: the process writes checkpoints (--save)."""
 
     def __init__(
         self,
@@ -110,6 +111,7 @@ class ParcaeAgent:
         instance: str | None = None,
         local_rank: int = 0,
         notices: NoticeWatcher | None = None,
+        can_save: bool = False,
     ) -> None:
         if not grace_seconds >= 0 or not lease_seconds > 0:
             raise ValueError(f"grace_seconds must be >= 0 and lease_seconds > 0, got {grace_seconds}, {lease_seconds}")
@@ -119,7 +121,7 @@ class ParcaeAgent:
         self.grace_seconds = grace_seconds
         self.lease_seconds = lease_seconds
         self._member = MemberRecord(worker_id, instance or default_instance(), os.getpid(), time.time(), 0,
-                                    local_rank=local_rank)
+                                    local_rank=local_rank, can_save=can_save)
         self._member.encode()  # refuse a bad worker id or instance name now, not on a thread
         self._lock = threading.Lock()
         self._wake = _Doorbell()

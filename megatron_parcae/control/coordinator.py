@@ -26,6 +26,17 @@ Rules it keeps:
   id) lost its state: it counts as lost, and joins again later as a new worker. Workers
   dropped as lost that still hold a member key (a notice whose deadline passed) are
   fenced: their lease is revoked, so their agents report `fenced` and they exit.
+- Notices that come together (every step of a preempted SLURM job, instances a cloud
+  reclaims at once) get one plan: a change a new notice forces waits a moment for the
+  rest of the batch (`_batching`), rather than move state onto a worker noticed next.
+- When the layout's workers are leaving and no layout can be formed from the workers
+  that remain, the job stops rather than lose what it trained since its last
+  checkpoint: a save-and-exit plan asks the layout's workers to write a checkpoint of
+  the iteration they are at and leave. It is published only if every one of them writes
+  checkpoints (`can_save` in its member record: it runs with --save) and none was lost
+  (the save is collective over the layout's WORLD). Once each has acknowledged it or is
+  gone, a plan on the workers then available (at least min-workers, as for the first)
+  resumes from that checkpoint.
 - Workers a layout does not use are standby (a plan's `standby`); they join later.
 - When training ends (the `done` record a worker writes), the coordinator exits.
 """
@@ -61,14 +72,24 @@ from megatron_parcae.control.etcd import (
     SchemaError,
 )
 from megatron_parcae.control.etcd.options import add_etcd_arguments, connect
-from megatron_parcae.control.etcd.keys import DECISIONS_KEPT, HISTORY_KEPT, CoordinatorState, MemberRecord
+from megatron_parcae.control.etcd.keys import (
+    DECISIONS_KEPT,
+    HISTORY_KEPT,
+    SAVE_AND_EXIT,
+    TRAIN,
+    CoordinatorState,
+    MemberRecord,
+)
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
 from predictor.forecast import AvailabilityForecast, Forecaster, make_forecaster
 from reconfig.layout import Layout
+from reconfig.plan import MigrationPlan
 from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement
 
 log = logging.getLogger("parcae.coordinator")
+
+NOTICE_BATCH_SECONDS = 1.0  # how long a forced change waits for the rest of a batch of notices (at most)
 
 
 class ConfigError(ValueError):
@@ -226,6 +247,10 @@ class Coordinator:
         self._instance_of: dict[int, str] = {}  # every worker's instance, as its member record said
         self._decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self._busy_until = 0.0  # monotonic time the last migration is expected to end
+        self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
+        self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
+        grace = optimizer.costs.constants.grace_period_seconds
+        self._batch_seconds = min(NOTICE_BATCH_SECONDS, grace / 10)  # a small part of the grace period
 
     @property
     def is_leader(self) -> bool:
@@ -281,7 +306,10 @@ class Coordinator:
                 self._stopping.wait(1.0)
                 continue
             until_boundary = self._boundary_at + self._interval - time.time() if self._resumed else 1.0
-            self._wake.wait(max(0.05, min(until_boundary, self._config.lease_seconds / 3)))
+            wait = min(until_boundary, self._config.lease_seconds / 3)
+            if self._batch_until > time.monotonic():
+                wait = min(wait, self._batch_until - time.monotonic())
+            self._wake.wait(max(0.05, wait))
         if not self._stopping.is_set():
             log.warning("%s no longer holds the leader lease", self._leadership.candidate)
 
@@ -439,13 +467,28 @@ class Coordinator:
         envelope = self._store.plan(generation) if generation else None
         if generation and envelope is None:
             raise SchemaError(self._store.keys.plan(generation), "the current generation has no plan")
-        current = None if envelope is None else Layout.from_dict(envelope.layout)
+        layout = None if envelope is None else Layout.from_dict(envelope.layout)
+        saved = envelope is not None and envelope.action == SAVE_AND_EXIT
+        current = None if saved else layout  # after a save-and-exit nothing runs: the next layout resumes
         members = self._store.members()
         view = self._view(generation, current, members, now)
         boundary = self._close_intervals(view.available, now)
+        batching = self._batching(view.leaving)
         if current is None and len(view.available) < self._config.min_workers:
-            self._warn_once(f"waiting for {self._config.min_workers} workers before the first plan "
+            self._warn_once(f"waiting for {self._config.min_workers} workers before "
+                            f"{'resuming from the checkpoint' if saved else 'the first plan'} "
                             f"({len(view.available)} registered)")
+        elif saved:
+            if not self._saving(generation, layout, members):
+                decision = self._optimizer.decide(None, view.available, self._forecast, placement=view.placement)
+                if decision.layout is None:
+                    self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")
+                else:
+                    reason = (f"resume from the checkpoint of generation {generation} on "
+                              f"{len(decision.layout.workers)} of {len(view.available)} workers")
+                    self._publish(generation + 1, decision.layout, None, decision.cost.seconds, "restart", reason,
+                                  view, members)
+                    return
         elif current is not None and view.broken:
             # Live workers that have not failed yet soon will (their next collective has a
             # failed peer); one that never does is dead, and its lease ends.
@@ -454,23 +497,62 @@ class Coordinator:
                 if decision.layout is None:
                     self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")
                 else:
-                    self._publish(generation + 1, decision, current, view, members)
+                    self._publish_decision(generation + 1, decision, current, view, members)
                     return
         else:
             forced = current is not None and bool(view.lost or view.leaving)
             settled = current is None or all(members[w].generation >= generation
                                              for w in current.workers & view.available)
-            if forced or settled:
+            # A change the membership forces waits only for the rest of a batch of notices.
+            if not batching if forced else settled:
                 busy = 0.0 if settled else max(0.0, self._busy_until - time.monotonic())
                 decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving, busy,
                                                   placement=view.placement)
+                if decision.layout is None and forced and self._can_save_and_exit(current, view, members):
+                    reason = (f"{self._reason(current, current, view)}; no layout for the {len(view.available)} "
+                              "workers left: save a checkpoint and exit")
+                    seconds = self._optimizer.costs.constants.checkpoint_save_load_seconds
+                    self._publish(generation + 1, current, None, seconds, SAVE_AND_EXIT, reason, view, members,
+                                  SAVE_AND_EXIT)
+                    return
                 if decision.layout is None:
-                    self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")
+                    self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting"
+                                    f"{self._unsaved(current, view, members)}")
                 elif decision.layout != current:
-                    self._publish(generation + 1, decision, current, view, members)
+                    self._publish_decision(generation + 1, decision, current, view, members)
                     return
         if boundary:
             self._save()
+
+    def _batching(self, leaving: frozenset[int]) -> bool:
+        """Whether a worker was first seen leaving too recently to act: the rest of its
+        batch of notices may be on its way."""
+        clock = time.monotonic()
+        self._noticed_at = {w: self._noticed_at.get(w, clock) for w in leaving}
+        self._batch_until = max(self._noticed_at.values(), default=0.0) + self._batch_seconds
+        return clock < self._batch_until
+
+    @staticmethod
+    def _can_save_and_exit(current: Layout, view: MemberView, members: dict[int, MemberRecord]) -> bool:
+        """Whether the layout's workers can write a checkpoint before they go: some are
+        leaving, none is lost or broken (the save is collective over their WORLD), and
+        every one writes checkpoints."""
+        return bool(view.leaving) and not view.lost and not view.broken \
+            and all(members[w].can_save for w in current.workers)
+
+    @staticmethod
+    def _unsaved(current: Layout | None, view: MemberView, members: dict[int, MemberRecord]) -> str:
+        """For the warning: the leaving workers of the layout that cannot save and exit."""
+        if current is None or not view.leaving:
+            return ""
+        unable = frozenset(w for w in current.workers & frozenset(members) if not members[w].can_save)
+        return f" (workers {_ids(unable)} run without --save: the job cannot save and exit)" if unable else ""
+
+    def _saving(self, generation: int, layout: Layout, members: dict[int, MemberRecord]) -> bool:
+        """Whether a worker of the save-and-exit plan of `generation` may still be writing
+        the checkpoint: the process admitted to it is registered and has not acknowledged it."""
+        return any(self._admitted.get(w) == _process(members[w]) and members[w].generation < generation
+                   for w in layout.workers & frozenset(members))
 
     def _recovery(self, current: Layout, view: MemberView) -> Decision:
         """The plan after the current layout's WORLD broke (every live worker of it reported)."""
@@ -483,30 +565,34 @@ class Coordinator:
             return self._optimizer.rebuild(current)
         return decision
 
-    def _publish(self, generation: int, decision: Decision, current: Layout | None, view: MemberView,
-                 members: dict[int, MemberRecord]) -> None:
+    def _publish_decision(self, generation: int, decision: Decision, current: Layout | None, view: MemberView,
+                          members: dict[int, MemberRecord]) -> None:
+        """Publish the optimizer's layout, reached by its migration or from a checkpoint."""
         assert decision.layout is not None
-        layout = decision.layout
-        envelope = PlanEnvelope(generation, time.time(), layout.to_dict(),
-                                None if decision.plan is None else decision.plan.to_dict())
+        kind = "start" if current is None else "restart" if decision.plan is None else decision.plan.kind
+        self._publish(generation, decision.layout, decision.plan, decision.cost.seconds, kind,
+                      self._reason(current, decision.layout, view), view, members)
+
+    def _publish(self, generation: int, layout: Layout, plan: MigrationPlan | None, seconds: float, kind: str,
+                 reason: str, view: MemberView, members: dict[int, MemberRecord], action: str = TRAIN) -> None:
+        envelope = PlanEnvelope(generation, time.time(), layout.to_dict(), None if plan is None else plan.to_dict(),
+                                action)
         if not self._store.publish_plan(envelope, self._leadership.guard()):
             log.warning("generation %d was not published: the generation or the leader changed; re-reading", generation)
             self._wake.set()
             return
-        kind = "start" if current is None else "restart" if decision.plan is None else decision.plan.kind
-        reason = self._reason(current, layout, view)
         p = layout.parallelism
         log.info("generation %d published: T=%d P=%d D=%d on workers %s, standby %s; %s, %.2f s expected; %s",
                  generation, p.tp, p.pp, p.dp, list(layout.slots), sorted(view.available - layout.workers), kind,
-                 decision.cost.seconds, reason)
+                 seconds, reason)
         self._last_warning = ""
-        self._busy_until = time.monotonic() + decision.cost.seconds
+        self._busy_until = time.monotonic() + seconds
         self._admitted = {w: _process(members[w]) for w in layout.workers}
         self._decisions.append({"generation": generation, "at": envelope.created_at, "reason": reason, "kind": kind,
-                                "seconds": round(float(decision.cost.seconds), 6)})
-        self._events.write(PlanPublished(generation, kind, p.tp, p.pp, p.dp, tuple(layout.slots),
-                                         float(decision.cost.seconds), reason, tuple(sorted(view.lost)),
-                                         tuple(sorted(view.broken)), tuple(view.placement.instance(w) for w in layout.slots),
+                                "seconds": round(float(seconds), 6)})
+        self._events.write(PlanPublished(generation, kind, p.tp, p.pp, p.dp, tuple(layout.slots), float(seconds),
+                                         reason, tuple(sorted(view.lost)), tuple(sorted(view.broken)),
+                                         tuple(view.placement.instance(w) for w in layout.slots),
                                          time=envelope.created_at))
         self._save()
         for worker in sorted((view.lost & frozenset(members)) - view.restarted):

@@ -8,7 +8,7 @@ Every key of a job, all under `/parcae/<job>/`:
     leader              LeaderRecord      on the coordinator's leader lease
     coordinator         CoordinatorState  what a restarted coordinator continues from
     generation          JSON integer      the newest published generation (absent = 0)
-    plans/<generation>  PlanEnvelope      the layout and migration of that generation
+    plans/<generation>  PlanEnvelope      that generation's layout, and the migration to it or a save-and-exit
     progress            ProgressRecord    how far training got; on no lease, it outlives the workers
     done                DoneRecord        training ended
     store/...           (torch store)     the WORLDs' rendezvous (etcd/store.py), `parcae/g<N>/` per generation
@@ -16,8 +16,10 @@ Every key of a job, all under `/parcae/<job>/`:
 Every value is JSON and is validated on read and on write against the record's declared
 schema (types, ranges, required keys, no unknown keys): etcd is a network path, so
 nothing read from it is trusted, and a malformed payload is refused with an error that
-names the key and the reason. A plan is published for generation g only in a
-transaction that sees generation g-1, so no plan is ever applied twice.
+names the key and the reason. A key added to a record later declares the value that
+records written before it existed read as (`Field.absent`), so a job's older records
+stay readable. A plan is published for generation g only in a transaction that sees
+generation g-1, so no plan is ever applied twice.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ MAX_TIMESTAMP = 1e11  # wall-clock seconds since the epoch; far beyond any real 
 PLANS_KEPT = 16  # older plans are deleted when a new one is published
 HISTORY_KEPT = 10_080  # intervals of availability history the coordinator keeps (a week of minutes)
 DECISIONS_KEPT = 16  # published decisions the coordinator keeps for `parcae status`, as many as the plans kept
-DECISION_KINDS = ("start", "restart", *MIGRATION_KINDS)  # "restart": resumed from a checkpoint
+TRAIN, SAVE_AND_EXIT = "train", "save-and-exit"
+PLAN_ACTIONS = (TRAIN, SAVE_AND_EXIT)  # what a plan asks of its layout's workers (PlanEnvelope.action)
+# "restart": resumed from a checkpoint; "save-and-exit": the job stopped after a checkpoint
+DECISION_KINDS = ("start", "restart", SAVE_AND_EXIT, *MIGRATION_KINDS)
+
+
+_REQUIRED = object()  # the `Field.absent` of a key every record has
 
 
 class SchemaError(ValueError):
@@ -56,16 +64,19 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True)
 class Field:
-    """One required key of a payload: its JSON type and the range allowed.
+    """One key of a payload: its JSON type and the range allowed.
 
     For `str` and `dict`, `low`/`high` bound the length; for numbers, the value.
-    `nullable` admits JSON null (the key must still be present).
+    `nullable` admits JSON null (the key must still be present). `absent`, for a key
+    added after records were first written, is what a record without the key holds;
+    writers always write it.
     """
 
     kind: type
     low: float | None = None
     high: float | None = None
     nullable: bool = False
+    absent: Any = _REQUIRED
 
     def check(self, value: Any, where: str) -> Any:
         if value is None and self.nullable:
@@ -90,10 +101,10 @@ def validate(data: Any, schema: Mapping[str, Field], where: str) -> dict[str, An
     unknown = sorted(set(data) - set(schema))
     if unknown:
         raise SchemaError(where, f"unknown keys {unknown}")
-    missing = sorted(set(schema) - set(data))
+    missing = sorted(name for name, f in schema.items() if name not in data and f.absent is _REQUIRED)
     if missing:
         raise SchemaError(where, f"missing required keys {missing}")
-    return {name: f.check(data[name], f"{where}.{name}") for name, f in schema.items()}
+    return {name: f.check(data[name], f"{where}.{name}") if name in data else f.absent for name, f in schema.items()}
 
 
 def _refuse_constant(name: str) -> Any:
@@ -159,7 +170,9 @@ class MemberRecord(Record):
     """A live training process; `generation` is the newest plan it has applied (or failed
     to apply). `broken` is the newest generation whose WORLD failed under it (a peer died
     or stalled), 0 if none; `state_kept` says whether it still holds its state of that
-    generation's layout, whole at its last applied step (False: it failed mid-change)."""
+    generation's layout, whole at its last applied step (False: it failed mid-change).
+    `can_save`: it writes checkpoints (--save), so the coordinator may ask it to save and
+    exit when the whole job is leaving."""
 
     worker_id: int
     instance: str  # the node it runs on: a preemption, notice or arrival concerns all of its workers
@@ -169,10 +182,11 @@ class MemberRecord(Record):
     broken: int = 0
     state_kept: bool = True
     local_rank: int = 0  # its GPU on the instance
+    can_save: bool = False
 
     SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME,
               "generation": Field(int, 0, MAX_GENERATION), "broken": Field(int, 0, MAX_GENERATION),
-              "state_kept": Field(bool), "local_rank": Field(int, 0, 1023)}
+              "state_kept": Field(bool), "local_rank": Field(int, 0, 1023), "can_save": Field(bool, absent=False)}
 
     def check(self, where: str) -> None:
         if self.broken > self.generation:
@@ -342,27 +356,38 @@ def _body(where: str, cls: type, body: dict) -> Any:
 
 @dataclass(frozen=True)
 class PlanEnvelope(Record):
-    """The plan of one generation: target layout and the migration that reaches it.
+    """The plan of one generation: what its layout's workers do, and on which layout.
 
-    The bodies are `Layout.to_dict()` and `MigrationPlan.to_dict()` from reconfig/, kept
-    as plain dicts here and checked on decode and encode by those classes' `from_dict`
-    (call it again to get the objects). `migration` is None when there is nothing to
-    move from: the job's first layout, or a restart from a checkpoint.
+    With `action` "train" (also every plan written before the key existed), the workers
+    train in `layout`, reached by `migration`; that is None when there is nothing to move
+    from: the job's first layout, or a restart from a checkpoint. With "save-and-exit",
+    `layout` is the running one and `migration` None: its workers are leaving and no
+    layout can do without them, so they write a checkpoint of the iteration they are at
+    and leave it; the next plan resumes from that checkpoint. The bodies are
+    `Layout.to_dict()` and `MigrationPlan.to_dict()` from reconfig/, kept as plain dicts
+    here and checked on decode and encode by those classes' `from_dict` (call it again
+    to get the objects).
     """
 
     generation: int
     created_at: float
     layout: dict
     migration: dict | None
+    action: str = TRAIN
 
     SCHEMA = {
         "generation": Field(int, 1, MAX_GENERATION),
         "created_at": _TIME,
         "layout": Field(dict, 1),
         "migration": Field(dict, 1, nullable=True),
+        "action": Field(str, 1, 32, absent=TRAIN),
     }
 
     def check(self, where: str) -> None:
+        if self.action not in PLAN_ACTIONS:
+            raise SchemaError(f"{where}.action", f"{self.action!r} is not one of {', '.join(PLAN_ACTIONS)}")
+        if self.action == SAVE_AND_EXIT and self.migration is not None:
+            raise SchemaError(f"{where}.migration", "a save-and-exit plan moves no state: expected null")
         layout = _body(f"{where}.layout", Layout, self.layout)
         if self.migration is not None and _body(f"{where}.migration", MigrationPlan, self.migration).new != layout:
             raise SchemaError(f"{where}.migration", "its new layout is not the envelope's layout")

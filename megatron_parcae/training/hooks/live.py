@@ -15,6 +15,10 @@ notice and delivers the coordinator's plans; this module applies them:
   builds its layout from the newest checkpoint under --save or --load, or from the seed.
 - A worker with a notice sends what the plan asks of it and exits; one a plan does not
   use waits on standby for a later plan.
+- A save-and-exit plan (the layout's workers are leaving and no layout can be formed
+  without them): they write a checkpoint of the iteration they are at, after the save
+  in flight, and leave the layout; those with a notice exit. The plan that resumes the
+  job builds its layout from that checkpoint, losing no step.
 - `recover()`: a collective failed because a peer died without notice or stalled (every
   collective times out after one lease period). This worker leaves WORLD, so that peers
   blocked on it fail at once, tells the coordinator (`broken` in its member record) and
@@ -45,9 +49,10 @@ from megatron_parcae.training import checkpointing
 from megatron_parcae.training.device import collective_timeout, prepare_device
 from megatron_parcae.control.agent import ParcaeAgent
 from megatron_parcae.control.etcd.client import EtcdClient, EtcdUnavailable
-from megatron_parcae.control.etcd.keys import DoneRecord, JobStore, PlanEnvelope, SchemaError
+from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, DoneRecord, JobStore, PlanEnvelope, SchemaError
 from megatron_parcae.control.etcd.store import EtcdStore
 from megatron_parcae.control.notices import build_watcher
+from megatron_parcae.training.progress import Progress
 from reconfig.execute import (
     HeldState,
     MigrationError,
@@ -100,7 +105,8 @@ class LiveReconfiguration:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         notices = build_watcher(args.parcae_notice, args.parcae_metadata_endpoint) if local_rank == 0 else None
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
-                                 args.parcae_lease_seconds, args.parcae_instance, local_rank, notices)
+                                 args.parcae_lease_seconds, args.parcae_instance, local_rank, notices,
+                                 can_save=bool(args.save))
         self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), process_group_backend(),
                            collective_timeout=collective_timeout(args), superseded=self._superseded)
         self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
@@ -203,7 +209,8 @@ class LiveReconfiguration:
         return False
 
     def _lost_in(self, generation: int) -> frozenset[int] | None:
-        """The workers the plan of `generation` counts as lost; None for a restart."""
+        """The workers the plan of `generation` counts as lost; None for a restart (a
+        save-and-exit loses none: it saves the layout the plans before it make)."""
         if generation not in self._lost_by_generation:
             try:
                 envelope = self.store.plan(generation)
@@ -212,7 +219,8 @@ class LiveReconfiguration:
             if envelope is None:
                 return frozenset()
             self._lost_by_generation[generation] = (
-                None if envelope.migration is None else MigrationPlan.from_dict(envelope.migration).request.lost)
+                frozenset() if envelope.action == SAVE_AND_EXIT else None if envelope.migration is None
+                else MigrationPlan.from_dict(envelope.migration).request.lost)
         return self._lost_by_generation[generation]
 
     def _report_broken(self, generation: int, consumed_samples: int, error: BaseException, state_kept: bool) -> None:
@@ -226,18 +234,19 @@ class LiveReconfiguration:
     def _await_plan(self, state: HeldState | None, consumed_samples: int) -> tuple[Runtime | None, int]:
         """Wait for the next plan and apply it, then, left without a slot, for one that
         places this worker. `state`: what it kept of a layout that broke. None: a notice
-        came while it held nothing, or training ended."""
+        came while it held nothing and no plan is pending (one made before the notice
+        came may place it: its peers wait for it), or training ended."""
         runtime: Runtime | HeldState | None = state
         next_done_check = 0.0
         while True:
             self._check_membership()
-            if runtime is None and self.agent.notice_received:
+            pending = self.agent.pending_plan()
+            if runtime is None and self.agent.notice_received and pending is None:
                 return None, consumed_samples
             if time.monotonic() >= next_done_check:
                 if self._etcd("read whether training ended", self.store.done) is not None:
                     return None, consumed_samples
                 next_done_check = time.monotonic() + DONE_POLL_SECONDS
-            pending = self.agent.pending_plan()
             if pending is None:
                 time.sleep(STANDBY_POLL_SECONDS)
                 continue
@@ -278,6 +287,8 @@ class LiveReconfiguration:
 
     def _apply(self, envelope: PlanEnvelope, runtime: Runtime | HeldState | None,
                consumed_samples: int) -> tuple[Runtime | None, int]:
+        if envelope.action == SAVE_AND_EXIT:
+            return self._save_and_exit(envelope.generation, runtime, consumed_samples)
         layout = Layout.from_dict(envelope.layout)
         self._check_buildable(envelope.generation, layout.parallelism)
         if envelope.migration is None:
@@ -301,6 +312,39 @@ class LiveReconfiguration:
             events.report(events.LayoutChange.of_migration(
                 envelope.generation, consumed_samples // self.samples_per_iteration, change_figures(plan, started)))
         return runtime, consumed_samples
+
+    def _save_and_exit(self, generation: int, runtime: Runtime | HeldState | None,
+                       consumed_samples: int) -> tuple[None, int]:
+        """Write a checkpoint of this iteration and leave the layout: its workers are
+        leaving and no layout can be formed without them, and the plan that resumes the
+        job from this checkpoint then loses no step."""
+        if not _is_running(runtime):
+            return None, consumed_samples  # nothing to save: on standby, or its layout broke
+        if not self.args.save:
+            raise LiveJobError(f"generation {generation} asks the job to save a checkpoint and exit (its workers are "
+                               "leaving), but this worker runs without --save: the steps trained since the last "
+                               "checkpoint are lost")
+        progress = Progress.at(consumed_samples, self.samples_per_iteration)
+        if not self._checkpointed(progress.iteration):
+            checkpointing.Checkpointer(self.args.save, False, collective_timeout(self.args)).save(runtime, progress)
+        release_runtime(runtime)
+        self.world.leave()
+        print(f" worker {self.world.worker}: generation {generation} saved the job at iteration {progress.iteration}; "
+              "leaving its layout", flush=True)
+        return None, consumed_samples
+
+    def _checkpointed(self, iteration: int) -> bool:
+        """Whether the newest checkpoint under --save is of `iteration` (collective): rank 0,
+        which writes the tracker once every rank's files are complete, tells the others."""
+        newest = -1
+        if dist.get_rank() == 0:
+            try:
+                newest = checkpointing.read_progress(self.args.save)[1]["iteration"]
+            except checkpointing.CheckpointError:
+                pass  # none yet
+        found = planes.control_tensor([newest])
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return int(found) == iteration
 
     def _restart(self, generation: int, layout: Layout, runtime: Runtime | HeldState | None,
                  consumed_samples: int) -> tuple[Runtime | None, int]:
