@@ -81,7 +81,7 @@ def render(status: dict[str, Any]) -> str:
     if status["migrations"]:
         lines.append("last migrations:")
         for d in status["migrations"][::-1]:
-            lines.append(f"  generation {d['generation']:>4}  {_clock(d['at'])}  {d['kind']:<11} "
+            lines.append(f"  generation {d['generation']:>4}  {_clock(d['at'])}  {d['kind']:<13} "
                          f"{d['seconds']:8.2f} s expected  {d['reason']}")
     return "\n".join(lines)
 
