@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("megatron_parcae.control.status", "show a job's generation, layout, members, forecast and last migrations"),
     "compare": ("megatron_parcae.tools.compare", "how far apart two checkpoints' parameters and Adam moments are"),
     "notice-watch": ("megatron_parcae.tools.notice_watch", "print this instance's preemption notice from its cloud's metadata service"),
+    "slurm": ("megatron_parcae.tools.slurm", "submit or cancel an elastic job on SLURM: one job array element per instance"),
 }
 
 

@@ -1,9 +1,14 @@
 """The SLURM batch scripts: syntax, the commands they run on a faked 2-node allocation
-(dry run), bad input, and a real run of etcd + coordinator with a stand-in `srun`."""
+(dry run), bad input, and a real run of etcd + coordinator with a stand-in `srun`; the
+elastic mode's scripts (control.sbatch, elastic-worker.sbatch) the same way, with stand-in
+squeue and scancel, and `parcae slurm submit`'s checks that need no cluster."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -216,12 +221,17 @@ def test_worker_ids_stay_within_the_schema():
     assert over.returncode == 2 and "would pass 2147483647" in over.stderr
 
 
-def fake_srun(bin_dir: Path, body: str) -> None:
-    """An `srun` on PATH that runs `body` instead of the workers."""
-    bin_dir.mkdir()
-    path = bin_dir / "srun"
+def fake_command(bin_dir: Path, name: str, body: str) -> None:
+    """A command `name` on PATH (bin_dir) that runs `body`."""
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / name
     path.write_text(f"#!/bin/bash\nset -u\n{body}\n")
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def fake_srun(bin_dir: Path, body: str) -> None:
+    """An `srun` on PATH that runs `body` instead of the workers."""
+    fake_command(bin_dir, "srun", body)
 
 
 def free_port() -> int:
@@ -326,3 +336,224 @@ def test_failed_coordinator_ends_the_job_and_its_workers(tmp_path):
     assert "profile: no file" in result.stderr
     assert "the coordinator exited with status 2: stopping the workers" in result.stderr
     assert processes_mentioning(marker) == [] and processes_mentioning(str(tmp_path / "parcae-runs")) == []
+
+
+# -- the elastic mode: control.sbatch, elastic-worker.sbatch, parcae slurm submit ----------
+
+CONTROL_JOB, ARRAY_JOB = "4241", "4240"
+
+
+def elastic_vars(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """Element 3 of array 4240 (2 tasks on node gpu7), or its control job 4241 (SLURM_JOB_ID=4241)."""
+    return {"SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NAME": "el",
+            "SLURM_ARRAY_JOB_ID": ARRAY_JOB, "SLURM_ARRAY_TASK_ID": "3", "SLURMD_NODENAME": "gpu7", "PARCAE_JOB": "el",
+            "PARCAE_RUN_DIR": str(tmp_path / "run"), "PARCAE_CONTROL_JOB": CONTROL_JOB, **extra}
+
+
+def elastic_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return slurm_env(tmp_path, **elastic_vars(tmp_path, **extra))
+
+
+def test_element_dry_run_runs_a_worker_per_gpu_of_a_new_instance(tmp_path):
+    kinds = classify(dry_run("elastic-worker.sbatch", tmp_path, "--mock-data", "--lr", "1e-4",
+                             **elastic_vars(tmp_path, PARCAE_ETCD="etcd.site:2379", SLURM_RESTART_COUNT="1",
+                                            CUDA_VISIBLE_DEVICES="0,1")))
+    (srun,) = kinds["srun"]
+    assert {"--nodes=1", "--ntasks-per-node=2", "--kill-on-bad-exit=0", "--no-kill", "--wait=0"} <= set(srun)
+    assert srun[srun.index("bash") + 2] == "etcd"  # worker.sh: etcd hands out the worker ids
+    run = tmp_path / "run"
+    for worker in [srun, *kinds["worker"]]:
+        assert Path(worker[worker.index("--parcae") - 1]) == REPO / "scripts" / "pretrain_gpt.py"
+        assert flag(worker, "--parcae-etcd") == "etcd.site:2379" and flag(worker, "--parcae-job") == "el"
+        # This run of the element is an instance of its own: a requeue makes a new one.
+        assert flag(worker, "--parcae-instance") == f"{ARRAY_JOB}_3.1@gpu7"
+        assert flag(worker, "--parcae-events") == str(run / "events" / f"element-{ARRAY_JOB}_3.1.jsonl")
+        assert flag(worker, "--parcae-grace-seconds") == "120" and flag(worker, "--save") == str(run / "checkpoints")
+        assert "--parcae-worker-id" not in worker and worker[-3:] == ["--mock-data", "--lr", "1e-4"]
+    assert [w[1] for w in kinds["worker"]] == ["LOCAL_RANK=0", "LOCAL_RANK=1"]
+
+
+def test_control_dry_run_starts_etcd_and_the_coordinator(tmp_path):
+    env = elastic_vars(tmp_path, SLURM_JOB_ID=CONTROL_JOB, PARCAE_ETCD_PORT="23000")
+    kinds = classify(dry_run("control.sbatch", tmp_path, **env))
+    (etcd,), (coordinator,) = kinds["etcd"], kinds["coordinator"]
+    assert flag(etcd, "--listen-client-urls") == "http://0.0.0.0:23000"
+    assert flag(coordinator, "--etcd") == flag(etcd, "--advertise-client-urls").removeprefix("http://")
+    assert flag(coordinator, "--job") == "el"
+    assert Path(flag(coordinator, "--config")) == REPO / "scripts" / "slurm" / "coordinator.yaml"
+    assert flag(coordinator, "--events") == str(tmp_path / "run" / "events" / "coordinator.jsonl")
+    site = classify(dry_run("control.sbatch", tmp_path, **{**env, "PARCAE_ETCD": "etcd.site:2379"}))
+    assert site["etcd"] == [] and flag(site["coordinator"][0], "--etcd") == "etcd.site:2379"
+
+
+@pytest.mark.parametrize(("script", "extra", "message"), [
+    ("elastic-worker.sbatch", {"PARCAE_CONTROL_JOB": ""}, "PARCAE_CONTROL_JOB is not set: the control job's id"),
+    ("elastic-worker.sbatch", {"PARCAE_MODEL": "t5"}, "PARCAE_MODEL is 't5', expected gpt or bert"),
+    ("elastic-worker.sbatch", {"PARCAE_GRACE_SECONDS": "soon"}, "PARCAE_GRACE_SECONDS is 'soon', expected a positive"),
+    ("elastic-worker.sbatch", {"SLURM_JOB_ID": ""}, "not in a SLURM job"),
+    ("control.sbatch", {"PARCAE_RUN_DIR": ""}, "PARCAE_RUN_DIR is not set"),
+    ("control.sbatch", {"PARCAE_COORDINATOR_CONFIG": "/nowhere/c.yaml"},
+     "PARCAE_COORDINATOR_CONFIG (coordinator config): no file '/nowhere/c.yaml'"),
+    ("control.sbatch", {"PARCAE_ETCD_PORT": "65535"}, "PARCAE_ETCD_PORT is 65535"),
+])
+def test_elastic_bad_input_is_a_clear_error(tmp_path, script, extra, message):
+    result = run_script(script, elastic_env(tmp_path, PARCAE_DRY_RUN="1", PARCAE_ETCD="h:1" if "worker" in script
+                                            else "", **extra))
+    assert result.returncode == 2 and f"{script}: error: {message}" in result.stderr, result.stderr
+    assert "dry-run:" not in result.stdout
+
+
+def test_worker_without_an_id_lets_etcd_give_one(tmp_path):
+    env = slurm_env(tmp_path, SLURM_PROCID="0", SLURM_LOCALID="0")
+    result = run_script("worker.sh", env, "etcd", sys.executable, "-c", "import sys; print(*sys.argv[1:])", "--x")
+    assert result.returncode == 0 and result.stdout.split() == ["--x"], result.stderr
+
+
+def start_element(tmp_path: Path, srun_body: str, etcd: str = "etcd.site:2379") -> subprocess.Popen:
+    fake_srun(tmp_path / "bin", srun_body)
+    env = elastic_env(tmp_path, PARCAE_ETCD=etcd,
+                      PATH=f"{tmp_path / 'bin'}{os.pathsep}{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.Popen(["bash", str(SLURM / "elastic-worker.sbatch")], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_element_ends_with_training(tmp_path):
+    done = tmp_path / "run" / f"control-{CONTROL_JOB}" / "done"
+    element = start_element(tmp_path, f"mkdir -p {done.parent} && touch {done}")
+    _, stderr = element.communicate(timeout=30)
+    assert element.returncode == 0 and "training has ended" in stderr, stderr
+
+
+def test_element_waits_for_the_control_jobs_etcd(tmp_path):
+    control_dir = tmp_path / "run" / f"control-{CONTROL_JOB}"
+    srun_body = f"""
+for a in "$@"; do [[ ${{prev:-}} == --parcae-etcd ]] && echo "$a" >{tmp_path / "given"}; prev=$a; done
+touch {control_dir / "done"}"""
+    element = start_element(tmp_path, srun_body, etcd="")
+    try:
+        assert "waiting for the control job (4241) to start etcd" in element.stderr.readline()
+        control_dir.mkdir(parents=True)
+        (control_dir / "etcd-endpoint").write_text("ctl1:23000\n")
+        _, stderr = element.communicate(timeout=30)
+    finally:
+        element.kill()
+    assert element.returncode == 0 and "training has ended" in stderr, stderr
+    assert (tmp_path / "given").read_text() == "ctl1:23000\n"
+
+
+@pytest.mark.parametrize("workers_status", [0, 3])
+def test_element_whose_workers_left_outlives_the_grace_time_until_slurm_ends_it(tmp_path, workers_status):
+    """Workers that left before the end of training (a preemption notice) leave the element
+    up, so that SLURM requeues it at the end of the grace time (its SIGTERM then)."""
+    element = start_element(tmp_path, f"exit {workers_status}")
+    try:
+        line = element.stderr.readline()
+        while "the workers exited" not in line:
+            assert line, "the element ended early"
+            line = element.stderr.readline()
+        assert f"(status {workers_status})" in line
+        time.sleep(2)
+        assert element.poll() is None
+        element.send_signal(signal.SIGTERM)
+        _, stderr = element.communicate(timeout=10)
+    finally:
+        element.kill()
+    assert element.returncode == workers_status and "SIGTERM: ending" in stderr, stderr
+
+
+def test_control_job_serves_until_training_ends_then_cleans_up(tmp_path):
+    """Real etcd and coordinator; the end of training is a done record written here."""
+    from megatron_parcae.control.etcd import EtcdClient, JobStore
+    from megatron_parcae.control.etcd.keys import DoneRecord
+
+    calls = tmp_path / "calls"
+    fake_command(tmp_path / "bin", "squeue", f"echo {CONTROL_JOB}")  # no element left
+    fake_command(tmp_path / "bin", "scancel", f'echo "scancel $*" >>{calls}')
+    (tmp_path / "profile.json").write_text(TINY_PROFILE)
+    (tmp_path / "coordinator.yaml").write_text(f"profile: {tmp_path / 'profile.json'}\nmax-workers: 4\n")
+    env = elastic_env(tmp_path, SLURM_JOB_ID=CONTROL_JOB, PARCAE_COORDINATOR_CONFIG=str(tmp_path / "coordinator.yaml"),
+                      PATH=f"{tmp_path / 'bin'}{os.pathsep}{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+    control_dir = tmp_path / "run" / f"control-{CONTROL_JOB}"
+    control = subprocess.Popen(["bash", str(SLURM / "control.sbatch")], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for _ in range(600):
+            if (control_dir / "etcd-endpoint").exists() or control.poll() is not None:
+                break
+            time.sleep(0.1)
+        endpoint = (control_dir / "etcd-endpoint").read_text().strip()
+        with EtcdClient(endpoint, timeout=5) as client:
+            JobStore(client, "el").mark_done(DoneRecord(1, 10, 80, time.time()))
+        _, stderr = control.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # etcd and the coordinator too, if it failed
+            os.killpg(control.pid, signal.SIGKILL)
+        control.wait()
+    assert control.returncode == 0, stderr
+    assert (control_dir / "done").exists() and not (control_dir / "etcd-endpoint").exists()
+    assert calls.read_text() == "scancel --state=PENDING -u {} -n el\n".format(pwd.getpwuid(os.getuid()).pw_name)
+    data = re.search(r"etcd serves at \S+ \(data (\S+),", stderr).group(1)
+    assert not Path(data).exists() and processes_mentioning(data) == []
+
+
+def test_failed_control_job_cancels_the_elements(tmp_path):
+    calls = tmp_path / "calls"
+    fake_command(tmp_path / "bin", "squeue", f"printf '%s\\n' {CONTROL_JOB} {ARRAY_JOB}")
+    fake_command(tmp_path / "bin", "scancel", f'echo "scancel $*" >>{calls}')
+    (tmp_path / "bad.yaml").write_text("profile: absent.csv\n")
+    env = elastic_env(tmp_path, SLURM_JOB_ID=CONTROL_JOB, PARCAE_COORDINATOR_CONFIG=str(tmp_path / "bad.yaml"),
+                      PATH=f"{tmp_path / 'bin'}{os.pathsep}{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+    result = run_script("control.sbatch", env, timeout=120)
+    assert result.returncode == 2 and "the coordinator exited with status 2" in result.stderr, result.stderr
+    assert calls.read_text() == f"scancel {ARRAY_JOB}\n"
+    assert not (tmp_path / "run" / f"control-{CONTROL_JOB}" / "done").exists()
+
+
+TINY_PROFILE = json.dumps({
+    "format": "megatron-parcae-layer-profile", "version": 1, "model": "tiny", "device": "test", "micro_batch_size": 1,
+    "global_batch_size": 8, "gpu_memory_bytes": 1e9, "link_bytes_per_second": 1.25e9,
+    "tensor_parallel_bytes_per_second": 1e11, "max_tensor_parallel": 1, "memory_bytes_per_param": 16,
+    "gradient_bytes_per_param": 2, "model_shape": {"kind": "gpt", "num_layers": 4, "hidden_size": 64,
+                                                   "num_attention_heads": 4, "ffn_hidden_size": 256,
+                                                   "vocab_size": 128, "max_position_embeddings": 32},
+    **{part: {"forward_ms": 20.0, "backward_ms": 40.0, "optimizer_ms": 0.5, "activation_bytes": 1e6,
+              "output_bytes": 1e5} for part in ("embedding", "head")},
+    "layers": [{"forward_ms": 20.0, "backward_ms": 40.0, "optimizer_ms": 0.5, "activation_bytes": 1e6,
+                "output_bytes": 1e5}] * 4})
+
+
+def parcae_slurm(*args: str, path: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **({"PATH": path} if path else {})}
+    return subprocess.run([sys.executable, "-m", "megatron_parcae.cli", "slurm", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(("extra", "flags", "message"), [
+    (["--instances", "0"], [], "--instances and --gpus-per-instance must be at least 1"),
+    (["--gpus-per-instance", "2"], [], "gpus-per-instance is 1, but --gpus-per-instance is 2: set them equal"),
+    (["--instances", "1"], [], "min-workers is 2, more than the 1 workers"),
+    (["--job-name", "no spaces"], [], "--job-name:"),
+    ([], ["--parcae-job", "x"], "training flags: leave --parcae-job out, --job-name sets it"),
+    ([], ["--parcae-etcd-ca", "ca.pem"], "training flags: leave --parcae-etcd-ca out, give --etcd-ca"),
+    ([], ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+     "training flags: --num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (["--etcd-user", "bob"], [], "give its --etcd HOST:PORT"),
+])
+def test_submit_refuses_bad_input_before_asking_slurm(tmp_path, extra, flags, message):
+    (tmp_path / "profile.json").write_text(TINY_PROFILE)
+    (tmp_path / "coordinator.yaml").write_text(f"profile: {tmp_path / 'profile.json'}\nmin-workers: 2\n")
+    result = parcae_slurm("submit", "--partition", "spot", "--control-partition", "control", "--instances", "2",
+                          "--coordinator-config", str(tmp_path / "coordinator.yaml"), *extra, "--",
+                          "--config", "configs/gpt-tiny.yaml", *flags, path=str(VENV_BIN))
+    assert result.returncode == 2 and result.stderr.startswith("parcae slurm: error: ") and message in result.stderr, \
+        result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_submit_needs_slurm_commands(tmp_path):
+    (tmp_path / "profile.json").write_text(TINY_PROFILE)
+    (tmp_path / "coordinator.yaml").write_text(f"profile: {tmp_path / 'profile.json'}\n")
+    result = parcae_slurm("submit", "--partition", "spot", "--control-partition", "control", "--instances", "2",
+                          "--coordinator-config", str(tmp_path / "coordinator.yaml"), "--",
+                          "--config", "configs/gpt-tiny.yaml", path=str(VENV_BIN))
+    assert result.returncode == 2 and "scontrol is not on PATH" in result.stderr, result.stderr

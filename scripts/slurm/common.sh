@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # What pretrain_gpt.sbatch and pretrain_bert.sbatch share; they source this file and call
 #   parcae_slurm_run REPO MODEL TRAIN_SCRIPT CONFIG COORDINATOR_CONFIG [TRAINING FLAGS...]
-# (paths relative to REPO). README.md beside this file explains the SLURM settings.
+# (paths relative to REPO). README.md beside this file explains the SLURM settings. The
+# elastic mode's scripts (elastic.sh) use its helpers too.
 #
 # One batch script runs the whole job: etcd (unless PARCAE_ETCD names a site etcd) and
 # `parcae coordinator` on the batch host, then one worker per GPU through srun. It stays
@@ -20,6 +21,8 @@ prog=${prog:-parcae-slurm}
 srun_pid=""
 coordinator_pid=""
 etcd_pid=""
+etcd_flags=()
+worker_etcd_flags=()
 
 dry_run() { [[ ${PARCAE_DRY_RUN:-0} == 1 ]]; }
 
@@ -52,6 +55,29 @@ require_count() {  # NAME VALUE: a positive integer without leading zeros
 # Absolute path of a command on PATH, so that every node runs the same one.
 require_command() {  # NAME HINT
   command -v "$1" || die "'$1' is not on PATH: $2"
+}
+
+require_bash() {
+  if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < PARCAE_MIN_BASH[0] * 100 + PARCAE_MIN_BASH[1])); then
+    die "bash $BASH_VERSION is too old: these scripts need bash ${PARCAE_MIN_BASH[0]}.${PARCAE_MIN_BASH[1]} or newer"
+  fi
+}
+
+# etcd credentials from PARCAE_ETCD_CA, _CERT, _KEY, _PASSWORD_FILE and _USER: the same files
+# for the coordinator (etcd_flags: --etcd-*) and the workers (worker_etcd_flags: --parcae-etcd-*).
+collect_etcd_flags() {
+  etcd_flags=()
+  local option variable
+  for option in ca cert key password-file; do
+    variable=PARCAE_ETCD_${option^^}
+    variable=${variable//-/_}
+    if [[ -n ${!variable:-} ]]; then
+      require_file "$variable" "${!variable}"
+      etcd_flags+=("--etcd-$option" "${!variable}")
+    fi
+  done
+  [[ -z ${PARCAE_ETCD_USER:-} ]] || etcd_flags+=(--etcd-user "$PARCAE_ETCD_USER")
+  worker_etcd_flags=("${etcd_flags[@]/#--etcd-/--parcae-etcd-}")
 }
 
 # Start a command in the background with its output in LOG ("" keeps the job's output);
@@ -193,9 +219,7 @@ parcae_slurm_run() {
   coordinator_config=${PARCAE_COORDINATOR_CONFIG:-$repo/$5}
   shift 5
   prog=pretrain_$model.sbatch
-  if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < PARCAE_MIN_BASH[0] * 100 + PARCAE_MIN_BASH[1])); then
-    die "bash $BASH_VERSION is too old: these scripts need bash ${PARCAE_MIN_BASH[0]}.${PARCAE_MIN_BASH[1]} or newer"
-  fi
+  require_bash
 
   # The allocation: one task per GPU on every node.
   [[ -n ${SLURM_JOB_ID:-} ]] || die "not in a SLURM job (SLURM_JOB_ID is unset): submit with sbatch"
@@ -221,18 +245,7 @@ parcae_slurm_run() {
   require_count PARCAE_SAVE_INTERVAL "$save_interval"
   require_count PARCAE_GRACE_SECONDS "$grace"
 
-  # etcd credentials: the same files for the coordinator (--etcd-*) and the workers (--parcae-etcd-*).
-  local etcd_flags=() option variable
-  for option in ca cert key password-file; do
-    variable=PARCAE_ETCD_${option^^}
-    variable=${variable//-/_}
-    if [[ -n ${!variable:-} ]]; then
-      require_file "$variable" "${!variable}"
-      etcd_flags+=("--etcd-$option" "${!variable}")
-    fi
-  done
-  [[ -z ${PARCAE_ETCD_USER:-} ]] || etcd_flags+=(--etcd-user "$PARCAE_ETCD_USER")
-  local worker_etcd_flags=("${etcd_flags[@]/#--etcd-/--parcae-etcd-}")
+  collect_etcd_flags
 
   trap cleanup EXIT
   trap on_sigterm TERM

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A real SLURM 22.05 cluster on this one machine, for the tests and for trying the batch
-# scripts: munged, slurmctld and several slurmd "nodes" on 127.0.0.1 (own ports), and two
-# partitions: `spot` (preemptible: requeue after a grace time) and `prio` (preempts spot).
+# scripts: munged, slurmctld and several slurmd "nodes" on 127.0.0.1 (own ports), and three
+# partitions: `spot` (preemptible: requeue after a grace time) and `prio` (preempts spot) on
+# the same nodes, and `control` (never preempted) on nodes of its own, for the elastic
+# mode's control job (etcd and the coordinator).
 #
 #   local-cluster.sh start     install SLURM if missing, write the config, start the
 #                              daemons, wait until every node is idle (already up: fine)
@@ -13,9 +15,10 @@
 #
 # Environment (read by `start` when it writes the config):
 #   PARCAE_SLURM_DIR      everything: config, state, logs, pid files (/tmp/parcae-slurm)
-#   PARCAE_SLURM_NODES    slurmd nodes, node1..nodeN (4)
+#   PARCAE_SLURM_NODES    slurmd nodes of spot and prio, node1..nodeN (4)
+#   PARCAE_SLURM_CONTROL_NODES  slurmd nodes of control, ctl1..ctlM (1; 0: no control partition)
 #   PARCAE_SLURM_CPUS     CPUs each node declares; more than the machine has is fine (4)
-#   PARCAE_SLURM_PORT     slurmctld's port; node I listens on PORT+I (16817)
+#   PARCAE_SLURM_PORT     slurmctld's port; nodeI listens on PORT+I, ctlJ on PORT+N+J (16817)
 #   PARCAE_SLURM_GRACE    GraceTime of `spot`, seconds (10)
 #   PARCAE_SLURM_TIMEOUT  seconds to wait for idle nodes, a drained queue (60)
 #
@@ -89,9 +92,9 @@ nodes() { sed -n 's/^NodeName=\([^ ]*\) .*/\1/p' "$conf"; }
 
 write_config() {
   local n=${PARCAE_SLURM_NODES:-4} cpus=${PARCAE_SLURM_CPUS:-4} port=${PARCAE_SLURM_PORT:-16817}
-  local grace=${PARCAE_SLURM_GRACE:-10} i
-  [[ $n =~ ^[1-9][0-9]*$ && $cpus =~ ^[1-9][0-9]*$ && $port =~ ^[1-9][0-9]*$ && $grace =~ ^[0-9]+$ ]] ||
-    fail "PARCAE_SLURM_NODES, _CPUS, _PORT and _GRACE must be whole numbers"
+  local grace=${PARCAE_SLURM_GRACE:-10} control=${PARCAE_SLURM_CONTROL_NODES:-1} i
+  [[ $n =~ ^[1-9][0-9]*$ && $cpus =~ ^[1-9][0-9]*$ && $port =~ ^[1-9][0-9]*$ && $grace =~ ^[0-9]+$ &&
+    $control =~ ^[0-9]+$ ]] || fail "PARCAE_SLURM_NODES, _CPUS, _PORT, _GRACE and _CONTROL_NODES must be whole numbers"
   {
     cat <<EOF
 # Written by scripts/slurm/local-cluster.sh: a test cluster on one machine, everything as root.
@@ -139,14 +142,26 @@ KillWait=5
 MinJobAge=600
 InactiveLimit=0
 EOF
-    for ((i = 1; i <= n; i++)); do
-      echo "NodeName=node$i NodeHostname=node$i NodeAddr=127.0.0.1 Port=$((port + i))" \
+    local workers=() controls=() node
+    for ((i = 1; i <= n + control; i++)); do
+      if ((i <= n)); then
+        node=node$i
+        workers+=("$node")
+      else
+        node=ctl$((i - n))
+        controls+=("$node")
+      fi
+      echo "NodeName=$node NodeHostname=$node NodeAddr=127.0.0.1 Port=$((port + i))" \
         "CPUs=$cpus RealMemory=1000 State=UNKNOWN"
     done
-    echo "PartitionName=spot Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO" \
+    local IFS=,
+    echo "PartitionName=spot Nodes=${workers[*]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO" \
       "PriorityTier=1 PreemptMode=REQUEUE GraceTime=$grace"
-    echo "PartitionName=prio Nodes=ALL Default=NO MaxTime=INFINITE State=UP OverSubscribe=NO" \
+    echo "PartitionName=prio Nodes=${workers[*]} Default=NO MaxTime=INFINITE State=UP OverSubscribe=NO" \
       "PriorityTier=10 PreemptMode=OFF"
+    # Never preempted, and no node shared with spot: the elastic mode's control job.
+    ((control == 0)) || echo "PartitionName=control Nodes=${controls[*]} Default=NO MaxTime=INFINITE State=UP" \
+      "OverSubscribe=NO PriorityTier=1 PreemptMode=OFF"
   } >"$conf.new"
   mv "$conf.new" "$conf"
 }

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One training process of the job: srun runs this once per task (one task per GPU).
 #
-#   worker.sh RESTART_COUNT COMMAND [ARGS...]
+#   worker.sh RESTART_COUNT|etcd COMMAND [ARGS...]
 #
 # Replaces itself with COMMAND ARGS --parcae-worker-id ID, so that the SIGTERM SLURM sends
 # the task reaches the training process (its agent turns it into a preemption notice).
@@ -9,7 +9,9 @@
 # ID = RESTART_COUNT x 100000 + SLURM_PROCID. SLURM_PROCID is unique within one run of the
 # batch script and RESTART_COUNT (SLURM_RESTART_COUNT) grows with every requeue, so no id
 # is used twice over the job's life: a requeued worker is a new worker, never mistaken for
-# one that held state before the requeue.
+# one that held state before the requeue. With `etcd` instead of a restart count (the
+# elastic mode, where every array element runs its own srun and SLURM_PROCIDs repeat) no
+# id is added: etcd hands each process a new one.
 #
 # LOCAL_RANK picks this task's GPU: SLURM_LOCALID among the GPUs the task sees, or 0 when
 # SLURM bound one GPU to the task (CUDA_VISIBLE_DEVICES lists one).
@@ -23,17 +25,20 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 readonly IDS_PER_RUN=100000
 readonly MAX_WORKER_ID=2147483647  # megatron_parcae.control.etcd.keys.MAX_WORKER_ID
 
-(($# >= 2)) || die "usage: worker.sh RESTART_COUNT COMMAND [ARGS...]"
+(($# >= 2)) || die "usage: worker.sh RESTART_COUNT|etcd COMMAND [ARGS...]"
 restart_count=$1
 shift
-[[ $restart_count =~ ^(0|[1-9][0-9]{0,8})$ ]] || die "restart count '$restart_count' is not a count"
+[[ $restart_count =~ ^(0|[1-9][0-9]{0,8}|etcd)$ ]] || die "restart count '$restart_count' is not a count (or 'etcd')"
 for variable in SLURM_PROCID SLURM_LOCALID; do
   [[ ${!variable:-} =~ ^(0|[1-9][0-9]{0,8})$ ]] || die "$variable is '${!variable:-}', not a task number: run this under srun"
 done
-((SLURM_PROCID < IDS_PER_RUN)) || die "at most $IDS_PER_RUN tasks per job: worker ids are RESTART_COUNT x $IDS_PER_RUN + SLURM_PROCID"
-worker_id=$((restart_count * IDS_PER_RUN + SLURM_PROCID))
-((restart_count * IDS_PER_RUN + IDS_PER_RUN - 1 <= MAX_WORKER_ID)) \
-  || die "requeue $restart_count: worker ids would pass $MAX_WORKER_ID; submit the job again under a new PARCAE_JOB"
+id_flags=()
+if [[ $restart_count != etcd ]]; then
+  ((SLURM_PROCID < IDS_PER_RUN)) || die "at most $IDS_PER_RUN tasks per job: worker ids are RESTART_COUNT x $IDS_PER_RUN + SLURM_PROCID"
+  ((restart_count * IDS_PER_RUN + IDS_PER_RUN - 1 <= MAX_WORKER_ID)) \
+    || die "requeue $restart_count: worker ids would pass $MAX_WORKER_ID; submit the job again under a new PARCAE_JOB"
+  id_flags=(--parcae-worker-id "$((restart_count * IDS_PER_RUN + SLURM_PROCID))")
+fi
 
 local_rank=$SLURM_LOCALID
 if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
@@ -45,7 +50,7 @@ if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
   fi
 fi
 
-command=("$@" --parcae-worker-id "$worker_id")
+command=("$@" "${id_flags[@]}")
 if dry_run; then
   show env "LOCAL_RANK=$local_rank" "${command[@]}"
   exit 0

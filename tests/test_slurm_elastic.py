@@ -1,0 +1,312 @@
+"""The elastic mode on a real SLURM 22.05 cluster (tests/slurm_cluster.py): `parcae slurm
+submit` trains GPT-tiny on four one-node elements of `spot`, with etcd and the coordinator
+in a control job on `control`. A two-node `prio` job preempts two elements: the job moves
+in place to the other two within the grace time; once the prio job has ended, the
+requeued elements rejoin and the layout grows back. Training then ends normally, every
+sample consumed once, with the parameters of an uninterrupted run. Then `parcae slurm
+cancel` on a second job."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, SMALL_GPT, assert_same_state, child_env, wait_for
+from megatron_parcae.events import Event, Iteration, LayoutChange, Load, PlanPublished, read_events
+from slurm_cluster import GRACE_S, NODES, SlurmCluster, slurm_cluster  # noqa: F401
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ITERS = 200
+TRAIN = [*SMALL_GPT, "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
+GLOBAL_BATCH = 8
+# The job's steps are paced (tests/paced/sitecustomize.py) so that ITERS steps outlast
+# SLURM's fixed delays on any machine: the grace time ends on a 30 s timer, a requeued
+# element is held 11 s, then its workers import torch (10-50 s on 2 busy cores).
+STEP_SECONDS = 0.4
+PRIO_NODES = 2
+START_ITERATIONS = 5  # trained by four workers before the prio job comes
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
+
+# A layer profile of SMALL_GPT's shape on which more workers train faster: the coordinator
+# uses every worker it has (as tests/test_coordinator.py's).
+UNIT = {"forward_ms": 20.0, "backward_ms": 40.0, "optimizer_ms": 0.5, "activation_bytes": 1e6, "output_bytes": 1e5}
+PROFILE = {"format": "megatron-parcae-layer-profile", "version": 1, "model": "small", "device": "test",
+           "micro_batch_size": 2, "global_batch_size": GLOBAL_BATCH, "gpu_memory_bytes": 1e9,
+           "link_bytes_per_second": 1.25e9, "tensor_parallel_bytes_per_second": 1e11, "max_tensor_parallel": 1,
+           "memory_bytes_per_param": 16, "gradient_bytes_per_param": 2,
+           "model_shape": {"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+                           "ffn_hidden_size": 256, "vocab_size": 128, "max_position_embeddings": 32},
+           "embedding": UNIT, "layers": [UNIT] * 4, "head": UNIT}
+
+
+def parcae_slurm(cluster: SlurmCluster, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_parcae.cli", "slurm", *args], cwd=REPO,
+                          env={**cluster.env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def submit(cluster: SlurmCluster, folder: Path, name: str, instances: int, *train: str,
+           **env: str) -> tuple[str, str, str]:
+    """`parcae slurm submit` of a job on spot; (control job id, array id, its output)."""
+    (folder / "profile.json").write_text(json.dumps(PROFILE))
+    config = folder / "coordinator.yaml"
+    config.write_text(f"profile: {folder / 'profile.json'}\ninterval-seconds: 2\nlookahead: 4\n"
+                      f"grace-seconds: {GRACE_S}\nlease-seconds: 2\nmax-workers: {NODES}\n"
+                      f"min-workers: {instances}\n")
+    result = parcae_slurm(cluster, "submit", "--partition", "spot", "--control-partition", "control",
+                          "--instances", str(instances), "--gres", "none", "--job-name", name,
+                          "--coordinator-config", str(config), "--run-dir", str(folder / "run"), "--", *train, **env)
+    assert result.returncode == 0, result.stderr
+    control, array = (re.search(rf"{what} (\d+)", result.stdout).group(1) for what in ("control job", "worker array"))
+    return control, array, result.stdout
+
+
+def cancel_leftovers(cluster: SlurmCluster, name: str) -> None:
+    if cluster.run("squeue", "-h", "-n", name, "-o", "%i").strip():
+        result = parcae_slurm(cluster, "cancel", "--job-name", name, timeout=400)
+        print(result.stdout, result.stderr)
+
+
+def logs(run_dir: Path) -> str:
+    return "\n".join(f"== {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(run_dir.glob("*.out")))
+
+
+def clock(stamp: str) -> float:
+    """An scontrol time (local, whole seconds) as Unix seconds."""
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S").timestamp()
+
+
+def world(event: LayoutChange | PlanPublished) -> int:
+    return event.tp * event.pp * event.dp
+
+
+def worker_events(run_dir: Path) -> list[Event]:
+    """What the workers wrote, one file per element run, in time order."""
+    return sorted((e for path in (run_dir / "events").glob("element-*.jsonl") for e in read_events(path)),
+                  key=lambda e: e.time)
+
+
+def plans(run_dir: Path) -> list[PlanPublished]:
+    path = run_dir / "events" / "coordinator.jsonl"
+    return [e for e in read_events(path) if isinstance(e, PlanPublished)] if path.exists() else []
+
+
+def processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(text.encode() in w for w in words):
+            found.append(b" ".join(words).decode(errors="replace"))
+    return found
+
+
+@dataclass
+class ElasticJob:
+    name: str
+    run_dir: Path
+    control: str
+    array: str
+    submit_output: str
+    prio_submitted: float = 0.0
+    prio: dict[str, str] = field(default_factory=dict)  # the prio job's scontrol record, completed
+    elements: dict[str, dict[str, str]] = field(default_factory=dict)  # by array task id, all ended
+    control_record: dict[str, str] = field(default_factory=dict)
+
+    def of(self, kind: type) -> list:
+        return [e for e in worker_events(self.run_dir) if isinstance(e, kind)]
+
+    def changes(self) -> tuple[PlanPublished, PlanPublished, PlanPublished]:
+        """The coordinator's plans: the first on all instances, the shrink, the growth back."""
+        published = plans(self.run_dir)
+        full = next(p for p in published if world(p) == NODES)
+        shrink = next(p for p in published if p.generation > full.generation)
+        grow = next((p for p in published if p.generation > shrink.generation and world(p) == NODES), None)
+        assert grow is not None, f"the layout did not grow back: {[(p.generation, p.workers, p.reason) for p in published]}"
+        return full, shrink, grow
+
+    def change_of(self, plan: PlanPublished) -> LayoutChange:
+        [change] = [c for c in self.of(LayoutChange) if c.generation == plan.generation]
+        return change
+
+
+class Reference:
+    """The uninterrupted run, one process, in the background from the start of the module:
+    the paced job leaves the CPU idle most of the time."""
+
+    def __init__(self, folder: Path) -> None:
+        self.save, self.log = folder / "checkpoints", folder / "reference.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+             str(REPO / "scripts" / "pretrain_gpt.py"), *TRAIN, "--save", str(self.save)],
+            cwd=REPO, env=child_env(), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+
+    def result(self) -> Path:
+        assert self.process.wait(timeout=600) == 0, self.log.read_text()[-3000:]
+        return self.save
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data, tmp_path_factory):
+    ref = Reference(tmp_path_factory.mktemp("reference"))
+    yield ref
+    if ref.process.poll() is None:
+        ref.process.kill()
+        ref.process.wait()
+
+
+@pytest.fixture(scope="module")
+def elastic_job(slurm_cluster, reference, tmp_path_factory):  # noqa: F811
+    """The job of the module docstring, run to its end; cancelled if it does not get there."""
+    folder = tmp_path_factory.mktemp("elastic")
+    name = "elastic"
+    control, array, output = submit(slurm_cluster, folder, name, NODES, *TRAIN, "--save-interval", str(ITERS),
+                                    PYTHONPATH=str(REPO / "tests" / "paced"), PARCAE_TEST_STEP_SECONDS=str(STEP_SECONDS))
+    job = ElasticJob(name, folder / "run", control, array, output)
+    try:
+        def running_on_all() -> bool:
+            full = [c for c in job.of(LayoutChange) if world(c) == NODES]
+            return bool(full) and any(e.iteration >= full[0].iteration + START_ITERATIONS for e in job.of(Iteration))
+
+        try:
+            wait_for(running_on_all, 300, f"{NODES} workers to train {START_ITERATIONS} iterations")
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\n{logs(job.run_dir)}")
+        script = folder / "prio.sbatch"
+        script.write_text("#!/bin/bash\nsleep 1\n")
+        job.prio_submitted = time.time()
+        prio = slurm_cluster.submit(script, "--partition=prio", f"--nodes={PRIO_NODES}", "--exclusive",
+                                    f"--output={folder}/prio.out", "--job-name=prio")
+        [job.prio] = slurm_cluster.wait_state(prio, "COMPLETED", timeout=120)
+
+        def ended(records: list[dict[str, str]]) -> bool:
+            return bool(records) and all(r.get("JobState") in ENDED for r in records)
+
+        try:
+            records = slurm_cluster.wait(array, ended, 400, "ended")
+            [job.control_record] = slurm_cluster.wait(control, ended, 150, "ended")
+        except BaseException:
+            print(logs(job.run_dir))
+            raise
+        job.elements = {r["ArrayTaskId"]: r for r in records}
+        yield job
+    finally:
+        cancel_leftovers(slurm_cluster, name)
+
+
+def test_elastic_job_moves_in_place_when_preempted_and_grows_back(elastic_job, reference, record_property):
+    """One test, so that pytest-xdist runs the job once: each check below names what failed."""
+    check_one_element_per_node(elastic_job)
+    check_moved_in_place_within_the_grace_time(elastic_job, record_property)
+    check_rejoined_and_grown_back(elastic_job, record_property)
+    check_normal_end_every_sample_once_like_an_uninterrupted_run(elastic_job, reference.result())
+    check_nothing_outlives_the_job(elastic_job)
+
+
+def check_one_element_per_node(job: ElasticJob) -> None:
+    assert f"parcae status --etcd $(cat {job.run_dir}/control-{job.control}/etcd-endpoint) --job {job.name}" \
+        in job.submit_output
+    assert job.control_record["Partition"] == "control" and job.control_record["JobName"] == job.name
+    assert sorted(job.elements) == [str(t) for t in range(NODES)]
+    assert all(r["Partition"] == "spot" and r["JobName"] == job.name for r in job.elements.values())
+    # Just two elements were preempted, and came back.
+    assert sorted(r["Restarts"] for r in job.elements.values()) == ["0"] * (NODES - PRIO_NODES) + ["1"] * PRIO_NODES
+
+
+def check_moved_in_place_within_the_grace_time(job: ElasticJob, record_property) -> None:
+    _, shrink, _ = job.changes()
+    assert world(shrink) == NODES - PRIO_NODES and "notice" in shrink.reason, shrink
+    moved = job.change_of(shrink)
+    assert moved.kind not in ("restart", "save-and-exit") and world(moved) == NODES - PRIO_NODES, moved
+    assert not job.of(Load)  # no checkpoint was read, ever
+    notice_s, move_s = shrink.time - job.prio_submitted, moved.time - shrink.time
+    record_property("notice_after_prio_submit_s", round(notice_s, 2))
+    record_property("move_in_place_s", round(move_s, 2))
+    print(f"notice {notice_s:.2f} s after the prio submit; moved in place {move_s:.2f} s later "
+          f"({moved.kind}, {moved.seconds:.2f} s of change), GraceTime {GRACE_S} s")
+    assert notice_s < 15 and move_s < GRACE_S
+    # The preempted elements' workers handed over and left; the elements waited for SLURM
+    # to end them at the end of the grace time.
+    for task, record in job.elements.items():
+        if record["Restarts"] != "0":
+            log = (job.run_dir / f"element-{task}.out").read_text()
+            assert log.index("the workers exited (status 0)") < log.index("SIGTERM: ending"), log
+
+
+def check_rejoined_and_grown_back(job: ElasticJob, record_property) -> None:
+    _, shrink, grow = job.changes()
+    joined = set(grow.workers) - set(shrink.workers)
+    assert len(joined) == PRIO_NODES and "join" in grow.reason, grow
+    assert min(joined) > max(w for p in plans(job.run_dir) if p.generation < grow.generation for w in p.workers)
+    grown = job.change_of(grow)
+    assert grown.kind not in ("restart", "save-and-exit") and world(grown) == NODES
+    restarted = max(clock(r["StartTime"]) for r in job.elements.values() if r["Restarts"] != "0")
+    prio_end = clock(job.prio["EndTime"])
+    record_property("rejoin_after_prio_end_s", round(grown.time - prio_end, 1))
+    record_property("rejoin_after_element_restart_s", round(grown.time - restarted, 1))
+    print(f"grown back {grown.time - prio_end:.1f} s after the prio job ended, {grown.time - restarted:.1f} s after "
+          f"the requeued elements started again, at iteration {grown.iteration} of {ITERS}")
+
+
+def check_normal_end_every_sample_once_like_an_uninterrupted_run(job: ElasticJob, reference: Path) -> None:
+    for record in [job.control_record, *job.elements.values()]:
+        assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", record
+    assert (job.run_dir / f"control-{job.control}" / "done").exists()
+    logged = job.of(Iteration)
+    assert sorted(e.iteration for e in logged) == list(range(1, ITERS + 1)), "an iteration was skipped or repeated"
+    assert all(e.consumed_samples == e.trained_samples == e.iteration * GLOBAL_BATCH for e in logged)
+    assert_same_state(job.run_dir / "checkpoints", reference, TRAIN)
+
+
+def check_nothing_outlives_the_job(job: ElasticJob) -> None:
+    assert processes_mentioning(str(job.run_dir)) == []
+    assert not (job.run_dir / f"control-{job.control}" / "etcd-endpoint").exists()
+    assert not etcd_data(job.run_dir, job.control).exists()
+
+
+def etcd_data(run_dir: Path, control: str) -> Path:
+    """The data directory of the etcd the control job started, as its log names it."""
+    log = (run_dir / f"control-{control}.out").read_text()
+    return Path(re.search(r"etcd serves at \S+ \(data (\S+),", log).group(1))
+
+
+def test_cancel_ends_a_running_job_and_a_second_submit_of_its_name_is_refused(slurm_cluster, tmp_path):  # noqa: F811
+    name = "to-cancel"
+    dry = parcae_slurm(slurm_cluster, "submit", "--partition", "spot", "--control-partition", "control",
+                       "--instances", "8", "--job-name", name, "--dry-run", "--", *SMALL_GPT)
+    assert dry.returncode == 0, dry.stderr
+    exports, control_sbatch, array_sbatch = dry.stdout.splitlines()
+    assert exports.startswith("export ") and f"PARCAE_JOB={name}" in exports
+    assert control_sbatch.startswith("sbatch --parsable") and control_sbatch.endswith("control.sbatch")
+    assert "--array=0-7 --ntasks-per-node=1 --gres=gpu:1 --signal=TERM@5 --dependency=after:CONTROL_JOB_ID" \
+        in array_sbatch
+    assert slurm_cluster.run("squeue", "-h", "-n", name, "-o", "%i").strip() == ""  # nothing submitted
+    control, array, _ = submit(slurm_cluster, tmp_path, name, 2, *TRAIN)
+    try:
+        slurm_cluster.wait_state(array, "RUNNING", count=2, timeout=60)
+        wait_for((tmp_path / "run" / f"control-{control}" / "etcd-endpoint").exists, 60, "the control job's etcd")
+        again = parcae_slurm(slurm_cluster, "submit", "--partition", "spot", "--control-partition", "control",
+                             "--instances", "2", "--gres", "none", "--job-name", name,
+                             "--coordinator-config", str(tmp_path / "coordinator.yaml"), "--", *TRAIN)
+        assert again.returncode == 2 and f"jobs named {name} are queued already" in again.stderr, again.stderr
+        result = parcae_slurm(slurm_cluster, "cancel", "--job-name", name, timeout=400)
+        assert result.returncode == 0, result.stderr
+        assert f"cancelled job {name}: worker array {array}, job {control}" in result.stdout
+        assert slurm_cluster.run("squeue", "-h", "-n", name, "-o", "%i").strip() == ""
+        assert processes_mentioning(str(tmp_path / "run")) == []
+        assert not etcd_data(tmp_path / "run", control).exists()
+        gone = parcae_slurm(slurm_cluster, "cancel", "--job-name", name)
+        assert gone.returncode == 2 and f"no queued job named {name}" in gone.stderr
+    finally:
+        cancel_leftovers(slurm_cluster, name)
