@@ -95,10 +95,10 @@ def test_unknown_config_key_is_named(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script,config", [("pretrain_gpt.py", "gpt-tiny"), ("pretrain_bert.py", "bert-tiny")])
-def test_tiny_configs_learn_in_50_iterations(tiny_data, script, config):
-    run = losses(torchrun(script, 2, ["--config", f"configs/{config}.yaml", "--train-iters", "50",
-                                      *layout_flags(1, 2)]))
+def test_bert_tiny_learns_in_50_iterations(tiny_data):
+    """GPT-tiny's learning is checked by tests/test_half_precision.py and the quick start."""
+    run = losses(torchrun("pretrain_bert.py", 2, ["--config", "configs/bert-tiny.yaml", "--train-iters", "50",
+                                                  *layout_flags(1, 2)]))
     first, last = run[min(run)], run[max(run)]
     assert last < 0.8 * first, (first, last)
 
