@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, SMALL_GPT, assert_same_state, child_env, wait_for
-from megatron_parcae.events import Event, Iteration, LayoutChange, Load, PlanPublished, read_events
+from megatron_parcae.events import Event, Iteration, LayoutChange, Load, PlanPublished, Save, read_events
 from slurm_cluster import GRACE_S, NODES, SlurmCluster, slurm_cluster  # noqa: F401
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -310,3 +310,108 @@ def test_cancel_ends_a_running_job_and_a_second_submit_of_its_name_is_refused(sl
         assert gone.returncode == 2 and f"no queued job named {name}" in gone.stderr
     finally:
         cancel_leftovers(slurm_cluster, name)
+
+
+# The whole job preempted at once: two one-node elements (the fewest that make a layout
+# of several instances), both taken by a `prio` job that needs every node. Paced until
+# then, at full speed once requeued: nothing after the preemption waits on the steps.
+WHOLE_INSTANCES = 2
+WHOLE_PACE = f"{STEP_SECONDS / 2},0"
+
+
+@pytest.fixture(scope="module")
+def whole_job(slurm_cluster, reference, tmp_path_factory):  # noqa: F811
+    """A job of WHOLE_INSTANCES elements, every one preempted at once once it trains,
+    run to its end; cancelled if it does not get there."""
+    folder = tmp_path_factory.mktemp("whole")
+    name = "whole"
+    control, array, output = submit(slurm_cluster, folder, name, WHOLE_INSTANCES, *TRAIN, "--save-interval",
+                                    str(ITERS), PYTHONPATH=str(REPO / "tests" / "paced"),
+                                    PARCAE_TEST_STEP_SECONDS=WHOLE_PACE)
+    job = ElasticJob(name, folder / "run", control, array, output)
+    try:
+        def running_on_all() -> bool:
+            full = [c for c in job.of(LayoutChange) if world(c) == WHOLE_INSTANCES]
+            return bool(full) and any(e.iteration >= full[0].iteration + START_ITERATIONS for e in job.of(Iteration))
+
+        try:
+            wait_for(running_on_all, 300, f"{WHOLE_INSTANCES} workers to train {START_ITERATIONS} iterations")
+        except AssertionError as exc:
+            pytest.fail(f"{exc}\n{logs(job.run_dir)}")
+        script = folder / "prio.sbatch"
+        script.write_text("#!/bin/bash\nsleep 1\n")
+        job.prio_submitted = time.time()
+        prio = slurm_cluster.submit(script, "--partition=prio", f"--nodes={NODES}", "--exclusive",
+                                    f"--output={folder}/prio.out", "--job-name=prio")
+        [job.prio] = slurm_cluster.wait_state(prio, "COMPLETED", timeout=120)
+
+        def ended(records: list[dict[str, str]]) -> bool:
+            return bool(records) and all(r.get("JobState") in ENDED for r in records)
+
+        try:
+            records = slurm_cluster.wait(array, ended, 400, "ended")
+            [job.control_record] = slurm_cluster.wait(control, ended, 150, "ended")
+        except BaseException:
+            print(logs(job.run_dir))
+            raise
+        job.elements = {r["ArrayTaskId"]: r for r in records}
+        yield job
+    finally:
+        cancel_leftovers(slurm_cluster, name)
+
+
+def test_whole_job_preempted_at_once_saves_in_the_grace_time_and_resumes_losing_no_step(whole_job, reference,
+                                                                                      record_property):
+    """Issue 15, point 2: every element preempted at once: the workers save a checkpoint of
+    the iteration they are at within the grace time and exit; the requeued elements come
+    back as new workers, which resume from it: no step lost, none trained twice, and the
+    parameters of an uninterrupted run."""
+    job = whole_job
+    assert sorted(job.elements) == [str(t) for t in range(WHOLE_INSTANCES)]
+    assert all(r["Restarts"] == "1" for r in job.elements.values()), job.elements  # all preempted, once
+
+    # The coordinator's plans: a start (it may start on one instance, the other joining in
+    # place), save-and-exit of the layout on both instances once both were noticed, then a
+    # restart on the requeued elements' new workers (which may join in place again).
+    published = plans(job.run_dir)
+    kinds = [p.kind for p in published]
+    stops = [k for k in kinds if k in ("start", "save-and-exit", "restart")]  # the others move in place
+    shown = [(p.generation, p.kind, p.workers, p.reason) for p in published]
+    assert kinds[0] == "start" and stops == ["start", "save-and-exit", "restart"], shown
+    stop = kinds.index("save-and-exit")
+    assert kinds[stop + 1] == "restart", shown
+    running, saving, resumed = published[stop - 1:stop + 2]
+    assert world(running) == WHOLE_INSTANCES and saving.workers == running.workers, (running, saving)
+    assert "save a checkpoint and exit" in saving.reason, saving
+    assert "resume from the checkpoint" in resumed.reason, resumed
+    new_workers = {w for p in published[stop + 1:] for w in p.workers}
+    assert min(new_workers) > max(w for p in published[:stop] for w in p.workers), published
+
+    # The workers saved the iteration they had got to, then left before SLURM ended the
+    # elements (the end of the grace time): those are the elements that were requeued.
+    def run_of(restart: int) -> list:
+        return sorted((e for path in (job.run_dir / "events").glob(f"element-*.{restart}.jsonl")
+                       for e in read_events(path)), key=lambda e: e.time)
+
+    before, after = run_of(0), run_of(1)
+    reached = max(e.iteration for e in before if isinstance(e, Iteration))
+    [saved] = [e for e in before if isinstance(e, Save)]
+    assert saved.iteration == reached and saved.directory == str(job.run_dir / "checkpoints"), saved
+    assert saving.time < saved.time < saving.time + GRACE_S
+    for task in job.elements:
+        log = (job.run_dir / f"element-{task}.out").read_text()
+        assert log.index("the workers exited (status 0)") < log.index("SIGTERM: ending"), log
+
+    # The new workers resumed from that checkpoint, losing no step.
+    [change] = [e for e in after if isinstance(e, LayoutChange) and e.generation == resumed.generation]
+    assert (change.kind, change.iteration, change.lost_steps, change.source) == \
+        ("restart", reached, 0, saved.directory), change
+    save_s, restart_s = saved.time - job.prio_submitted, change.time - clock(job.prio["EndTime"])
+    record_property("save_after_prio_submit_s", round(save_s, 2))
+    record_property("resume_after_prio_end_s", round(restart_s, 1))
+    print(f"saved iteration {reached} of {ITERS} {save_s:.2f} s after the prio submit, "
+          f"{saved.time - saving.time:.2f} s after the save-and-exit plan; resumed {restart_s:.1f} s after the prio "
+          f"job ended, {change.seconds:.2f} s of restart")
+
+    check_normal_end_every_sample_once_like_an_uninterrupted_run(job, reference.result())
+    check_nothing_outlives_the_job(job)

@@ -195,12 +195,11 @@ def _set_up_communicators(usual: timedelta) -> None:
     SETUP_TIMEOUT: NCCL forms a group's communicator at its first collective, which can
     take longer than a live job's short timeout, and must not be taken for a lost peer.
     Every rank goes through its groups in the same order."""
-    getters = (ps.get_tensor_model_parallel_group, ps.get_pipeline_model_parallel_group,
-               partial(ps.get_data_parallel_group, with_context_parallel=True), ps.get_model_parallel_group,
-               ps.get_embedding_group)
-    for get in getters:
-        group = get()
-        if dist.get_world_size(group) > 1:
+    groups = (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+              ps.get_data_parallel_group(with_context_parallel=True), ps.get_model_parallel_group(),
+              ps.get_embedding_group(check_initialized=False))  # None on a middle pipeline stage
+    for group in groups:
+        if group is not None and dist.get_world_size(group) > 1:
             with patient(group, SETUP_TIMEOUT, usual):
                 dist.all_reduce(planes.data_buffer(1, torch.float32), group=group)
 
