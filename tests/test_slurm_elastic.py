@@ -315,15 +315,16 @@ def test_cancel_ends_a_running_job_and_a_second_submit_of_its_name_is_refused(sl
         cancel_leftovers(slurm_cluster, name)
 
 
-
 # The whole job preempted at once: two one-node elements (the fewest that make a layout
 # of several instances), both taken by a `prio` job that needs every node. Paced until
 # then, at full speed once requeued: nothing after the preemption waits on the steps.
+# A test of its own after the others: pytest-xdist (-n 2, tests dealt in pairs) runs it
+# in the other process, beside the job above.
 WHOLE_INSTANCES = 2
 WHOLE_PACE = f"{STEP_SECONDS / 2},0"
-# spot's GraceTime while this job runs: GRACE_S is shorter than a notice, the plan and
-# the first checkpoint a process writes take on 2 busy cores (3-6 s; megatron-core imports
-# its checkpoint strategies then). The grace end comes 15-45 s after the notice.
+# spot's GraceTime while this job runs. GRACE_S is shorter than the notice, the plan and
+# the first checkpoint a process writes take on 2 busy cores (5-8 s; megatron-core imports
+# torch.distributed.checkpoint on the first save); the grace then ends 15-45 s after the notice.
 WHOLE_GRACE_S = 15
 
 
