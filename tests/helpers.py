@@ -150,6 +150,19 @@ def assert_close(a: dict[int, float], b: dict[int, float], rel: float = 1e-5) ->
         assert abs(a[it] - b[it]) <= rel * abs(b[it]), f"iteration {it}: {a[it]} vs {b[it]}"
 
 
+def processes_mentioning(text: str) -> list[str]:
+    """The command lines of running processes that mention `text` (a test's folder)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(text.encode() in w for w in words):
+            found.append(b" ".join(words).decode(errors="replace"))
+    return found
+
+
 def write_tracker(root: Path, iteration: int) -> None:
     """Point a checkpoint directory at an earlier saved iteration (as Megatron users do)."""
     (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, SMALL_GPT, assert_same_state, child_env, wait_for
+from helpers import REPO, SMALL_GPT, assert_same_state, child_env, processes_mentioning, wait_for
 from megatron_parcae.events import Event, Iteration, LayoutChange, Load, PlanPublished, Save, read_events
 from slurm_cluster import GRACE_S, NODES, SlurmCluster, slurm_cluster  # noqa: F401
 
@@ -103,18 +103,6 @@ def plans(run_dir: Path) -> list[PlanPublished]:
     return [e for e in read_events(path) if isinstance(e, PlanPublished)] if path.exists() else []
 
 
-def processes_mentioning(text: str) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            words = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(text.encode() in w for w in words):
-            found.append(b" ".join(words).decode(errors="replace"))
-    return found
-
-
 @dataclass
 class ElasticJob:
     name: str
@@ -142,6 +130,43 @@ class ElasticJob:
     def change_of(self, plan: PlanPublished) -> LayoutChange:
         [change] = [c for c in self.of(LayoutChange) if c.generation == plan.generation]
         return change
+
+
+def run_preempted(cluster: SlurmCluster, folder: Path, name: str, instances: int, pace: str, prio_nodes: int,
+                  prio_timeout: float, grace: int = GRACE_S) -> ElasticJob:
+    """Submit a paced job of `instances` elements; once all of them train, a `prio` job of
+    `prio_nodes` nodes preempts elements; returns the job once every part of it ended."""
+    control, array, output = submit(cluster, folder, name, instances, *TRAIN, "--save-interval", str(ITERS),
+                                    grace=grace, PYTHONPATH=str(REPO / "tests" / "paced"),
+                                    PARCAE_TEST_STEP_SECONDS=pace)
+    job = ElasticJob(name, folder / "run", control, array, output)
+
+    def running_on_all() -> bool:
+        full = [c for c in job.of(LayoutChange) if world(c) == instances]
+        return bool(full) and any(e.iteration >= full[0].iteration + START_ITERATIONS for e in job.of(Iteration))
+
+    try:
+        wait_for(running_on_all, 300, f"{instances} workers to train {START_ITERATIONS} iterations")
+    except AssertionError as exc:
+        pytest.fail(f"{exc}\n{logs(job.run_dir)}")
+    script = folder / "prio.sbatch"
+    script.write_text("#!/bin/bash\nsleep 1\n")
+    job.prio_submitted = time.time()
+    prio = cluster.submit(script, "--partition=prio", f"--nodes={prio_nodes}", "--exclusive",
+                          f"--output={folder}/prio.out", "--job-name=prio")
+    [job.prio] = cluster.wait_state(prio, "COMPLETED", timeout=prio_timeout)
+
+    def ended(records: list[dict[str, str]]) -> bool:
+        return bool(records) and all(r.get("JobState") in ENDED for r in records)
+
+    try:
+        records = cluster.wait(array, ended, 400, "ended")
+        [job.control_record] = cluster.wait(control, ended, 150, "ended")
+    except BaseException:
+        print(logs(job.run_dir))
+        raise
+    job.elements = {r["ArrayTaskId"]: r for r in records}
+    return job
 
 
 class Reference:
@@ -173,39 +198,10 @@ def reference(tiny_data, tmp_path_factory):
 def elastic_job(slurm_cluster, reference, tmp_path_factory):  # noqa: F811
     """The job of the module docstring, run to its end; cancelled if it does not get there."""
     folder = tmp_path_factory.mktemp("elastic")
-    name = "elastic"
-    control, array, output = submit(slurm_cluster, folder, name, NODES, *TRAIN, "--save-interval", str(ITERS),
-                                    PYTHONPATH=str(REPO / "tests" / "paced"), PARCAE_TEST_STEP_SECONDS=str(STEP_SECONDS))
-    job = ElasticJob(name, folder / "run", control, array, output)
     try:
-        def running_on_all() -> bool:
-            full = [c for c in job.of(LayoutChange) if world(c) == NODES]
-            return bool(full) and any(e.iteration >= full[0].iteration + START_ITERATIONS for e in job.of(Iteration))
-
-        try:
-            wait_for(running_on_all, 300, f"{NODES} workers to train {START_ITERATIONS} iterations")
-        except AssertionError as exc:
-            pytest.fail(f"{exc}\n{logs(job.run_dir)}")
-        script = folder / "prio.sbatch"
-        script.write_text("#!/bin/bash\nsleep 1\n")
-        job.prio_submitted = time.time()
-        prio = slurm_cluster.submit(script, "--partition=prio", f"--nodes={PRIO_NODES}", "--exclusive",
-                                    f"--output={folder}/prio.out", "--job-name=prio")
-        [job.prio] = slurm_cluster.wait_state(prio, "COMPLETED", timeout=120)
-
-        def ended(records: list[dict[str, str]]) -> bool:
-            return bool(records) and all(r.get("JobState") in ENDED for r in records)
-
-        try:
-            records = slurm_cluster.wait(array, ended, 400, "ended")
-            [job.control_record] = slurm_cluster.wait(control, ended, 150, "ended")
-        except BaseException:
-            print(logs(job.run_dir))
-            raise
-        job.elements = {r["ArrayTaskId"]: r for r in records}
-        yield job
+        yield run_preempted(slurm_cluster, folder, "elastic", NODES, str(STEP_SECONDS), PRIO_NODES, 120)
     finally:
-        cancel_leftovers(slurm_cluster, name)
+        cancel_leftovers(slurm_cluster, "elastic")
 
 
 def test_elastic_job_moves_in_place_when_preempted_and_grows_back(elastic_job, reference, record_property):
@@ -333,43 +329,13 @@ def whole_job(slurm_cluster, reference, tmp_path_factory):  # noqa: F811
     """A job of WHOLE_INSTANCES elements, every one preempted at once once it trains,
     run to its end; cancelled if it does not get there."""
     folder = tmp_path_factory.mktemp("whole")
-    name = "whole"
     slurm_cluster.run("scontrol", "update", "PartitionName=spot", f"GraceTime={WHOLE_GRACE_S}")
     try:
-        control, array, output = submit(slurm_cluster, folder, name, WHOLE_INSTANCES, *TRAIN, "--save-interval",
-                                        str(ITERS), grace=WHOLE_GRACE_S, PYTHONPATH=str(REPO / "tests" / "paced"),
-                                        PARCAE_TEST_STEP_SECONDS=WHOLE_PACE)
-        job = ElasticJob(name, folder / "run", control, array, output)
-
-        def running_on_all() -> bool:
-            full = [c for c in job.of(LayoutChange) if world(c) == WHOLE_INSTANCES]
-            return bool(full) and any(e.iteration >= full[0].iteration + START_ITERATIONS for e in job.of(Iteration))
-
-        try:
-            wait_for(running_on_all, 300, f"{WHOLE_INSTANCES} workers to train {START_ITERATIONS} iterations")
-        except AssertionError as exc:
-            pytest.fail(f"{exc}\n{logs(job.run_dir)}")
-        script = folder / "prio.sbatch"
-        script.write_text("#!/bin/bash\nsleep 1\n")
-        job.prio_submitted = time.time()
-        prio = slurm_cluster.submit(script, "--partition=prio", f"--nodes={NODES}", "--exclusive",
-                                    f"--output={folder}/prio.out", "--job-name=prio")
-        [job.prio] = slurm_cluster.wait_state(prio, "COMPLETED", timeout=WHOLE_GRACE_S + 90)
-
-        def ended(records: list[dict[str, str]]) -> bool:
-            return bool(records) and all(r.get("JobState") in ENDED for r in records)
-
-        try:
-            records = slurm_cluster.wait(array, ended, 400, "ended")
-            [job.control_record] = slurm_cluster.wait(control, ended, 150, "ended")
-        except BaseException:
-            print(logs(job.run_dir))
-            raise
-        job.elements = {r["ArrayTaskId"]: r for r in records}
+        return run_preempted(slurm_cluster, folder, "whole", WHOLE_INSTANCES, WHOLE_PACE, NODES, WHOLE_GRACE_S + 90,
+                             grace=WHOLE_GRACE_S)
     finally:
-        cancel_leftovers(slurm_cluster, name)
+        cancel_leftovers(slurm_cluster, "whole")
         slurm_cluster.run("scontrol", "update", "PartitionName=spot", f"GraceTime={GRACE_S}")
-    return job
 
 
 def test_whole_job_preempted_at_once_saves_in_the_grace_time_and_resumes_losing_no_step(whole_job, reference,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, processes_mentioning
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -238,18 +238,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def processes_mentioning(text: str) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            words = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(text.encode() in w for w in words):
-            found.append(b" ".join(words).decode(errors="replace"))
-    return found
 
 
 def test_batch_script_serves_etcd_and_coordinator_then_stops_them(tmp_path):
