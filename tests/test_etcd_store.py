@@ -15,7 +15,8 @@ from datetime import timedelta
 from pathlib import Path
 
 # First: it selects the protobuf backend etcd3 needs, before anything else loads protobuf.
-from megatron_parcae.control.etcd import EtcdAuthError, EtcdClient, EtcdError, EtcdServer, EtcdUnavailable  # isort: skip
+from megatron_parcae.control.etcd import (  # isort: skip
+    EtcdAuthError, EtcdClient, EtcdError, EtcdGone, EtcdServer, EtcdUnavailable)
 from megatron_parcae.control.etcd.store import EtcdStore  # isort: skip
 
 import pytest
@@ -181,6 +182,9 @@ class _FlakyClient:
             raise self._error
         return self._client.get(key)
 
+    def check_reachable(self) -> None:
+        self._client.check_reachable()
+
 
 def test_transient_etcd_errors_are_retried_refused_credentials_are_not(client):
     store = _store(client)
@@ -316,3 +320,21 @@ def test_a_world_that_failed_to_form_leaves_group_names_as_its_peers_count_them(
         assert dist.group.WORLD.group_name == "0"
     finally:
         world.leave()
+
+
+def test_etcd_gone_past_the_outage_bound_is_given_up_and_back_within_it_is_not():
+    with EtcdServer() as server, EtcdClient(server.endpoint, timeout=0.5, outage_seconds=2) as client:
+        store = _store(client)
+        store.set("k", b"v")
+        client.check_reachable()
+        server.restart()  # an outage shorter than the bound: nothing is given up
+        assert store.get("k") == b"v" and client.unreachable_seconds == 0
+        server.stop()
+        with pytest.raises(EtcdUnavailable):
+            client.get("/nothing")
+        assert 0 < client.unreachable_seconds < 2
+        client.check_reachable()
+        with pytest.raises(EtcdGone, match="more than the outage bound of 2 s"):
+            store.get("k")  # retried until the bound, then given up
+        with pytest.raises(EtcdGone):
+            client.check_reachable()

@@ -190,7 +190,7 @@ class ParcaeAgent:
             return
         self._stopping.set()
         self._wake.ring()
-        if self._thread is not None:
+        if self._thread is not None and self._client.unreachable_seconds == 0:  # else it is stuck in a call
             self._thread.join(timeout=2 * self._client.timeout)
         if self._watch is not None:
             self._watch.stop()
@@ -257,13 +257,16 @@ class ParcaeAgent:
         Unlike the rest, this is written at once on the caller's thread: a restart from a
         checkpoint must know exactly which steps it loses, also when every process that
         trained them dies right after. While etcd does not answer, the agent thread
-        writes the newest record once it does.
+        writes the newest record once it does (the step does not wait out a deadline).
         """
         with self._lock:
             self._progress = ProgressRecord(self._current if generation is None else generation, iteration,
                                             consumed_samples, time.time())
-        try:
-            written = self._publish_progress()
+        if self._client.unreachable_seconds > 0:
+            self._wake.ring()
+            return
+        try:  # well within a collective's timeout (a lease period): the step's peers wait
+            written = self._publish_progress(timeout=self.lease_seconds / 4)
         except (EtcdError, SchemaError):
             self._wake.ring()
             return
@@ -377,7 +380,7 @@ class ParcaeAgent:
         if not published:  # the member key is no longer on our lease
             self._on_lease_lost()
 
-    def _publish_progress(self) -> bool:
+    def _publish_progress(self, timeout: float | None = None) -> bool:
         """Write the newest unwritten progress record; False if no longer a member."""
         assert self._lease is not None
         with self._progress_lock:
@@ -385,7 +388,7 @@ class ParcaeAgent:
                 record = self._progress
             if record is None:
                 return True
-            if not self._store.record_progress(record, self.worker_id, self._lease.id):
+            if not self._store.record_progress(record, self.worker_id, self._lease.id, timeout):
                 return False
             with self._lock:
                 if self._progress is record:

@@ -65,6 +65,7 @@ from megatron_parcae.events import EventWriter, PlanPublished
 from megatron_parcae.control.etcd import (
     EtcdClient,
     EtcdError,
+    EtcdGone,
     JobStore,
     Leadership,
     NotLeader,
@@ -79,6 +80,7 @@ from megatron_parcae.control.etcd.keys import (
     TRAIN,
     CoordinatorState,
     MemberRecord,
+    NoticeRecord,
 )
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
@@ -302,6 +304,7 @@ class Coordinator:
             except SchemaError as exc:
                 self._warn_once(f"cannot decide: {exc}; waiting for a change")
             except EtcdError as exc:
+                self._client.check_reachable()
                 log.warning("etcd: %s; retrying", exc)
                 self._stopping.wait(1.0)
                 continue
@@ -406,14 +409,16 @@ class Coordinator:
         restarted = frozenset(w for w in in_layout & frozenset(members)
                               if w in self._admitted and self._admitted[w] != _process(members[w]))
         placement = self._placement(members, in_layout)
-        expired = frozenset(w for w, n in notices.items() if n.deadline <= now)
+        expired = self._expired(notices, placement, now)
         noticed, unplaced = frozenset(notices), frozenset()
         if placement is not ONE_GPU:  # a notice, or a loss, concerns the whole instance
             going = {placement.instance(w) for w in noticed}
             going |= {placement.instance(w) for w in in_layout - frozenset(members)}
-            deadlines = {placement.instance(w): n.deadline for w, n in notices.items()}
+            gone = {placement.instance(w) for w in expired}
+            warned = {placement.instance(w) for w in notices}  # the others go with a lost worker
             noticed = frozenset(w for w in members if placement.instance(w) in going)
-            expired = frozenset(w for w in noticed if deadlines.get(placement.instance(w), now) <= now)
+            expired = frozenset(w for w in noticed
+                                if placement.instance(w) in gone or placement.instance(w) not in warned)
             unplaced = frozenset(members) - frozenset(placement.instance_of)
             unplaced |= self._arriving(members, placement, in_layout, now)
         available = frozenset(members) - noticed - restarted - unplaced
@@ -421,6 +426,19 @@ class Coordinator:
         broken = frozenset(w for w in in_layout & available if members[w].broken == generation)
         return MemberView(available, leaving, in_layout - available - leaving, restarted, broken,
                           all(members[w].state_kept for w in broken), placement)
+
+    def _expired(self, notices: dict[int, NoticeRecord], placement: Placement, now: float) -> frozenset[int]:
+        """Noticed workers that can no longer send state: the deadline passed and their
+        instance has not trained since. One still training past it (its instance outlived
+        the notice, while this coordinator was away or slow to act) still hands over."""
+        overdue = {w: n.deadline for w, n in notices.items() if n.deadline <= now}
+        if not overdue:
+            return frozenset()
+        trained_at: dict[str, float] = {}
+        for worker, report in self._store.step_reports().items():
+            instance = placement.instance(worker)
+            trained_at[instance] = max(trained_at.get(instance, 0.0), report.reported_at)
+        return frozenset(w for w, deadline in overdue.items() if trained_at.get(placement.instance(w), 0.0) <= deadline)
 
     def _arriving(self, members: dict[int, MemberRecord], placement: Placement, in_layout: frozenset[int],
                   now: float) -> frozenset[int]:
@@ -630,7 +648,7 @@ def _ids(workers: frozenset[int], shown: int = 8) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_etcd_arguments(parser)
+    add_etcd_arguments(parser, long_running=True)
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
                              "lease-seconds, max-workers, min-workers, distributed-optimizer (see CoordinatorConfig)")
@@ -660,5 +678,9 @@ def run(args: argparse.Namespace) -> int:
             serving = pool.submit(coordinator.serve)
             for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, lambda *_: coordinator.stop())
-            serving.result()
+            try:
+                serving.result()
+            except EtcdGone as exc:
+                print(f"parcae coordinator: error: {exc}", file=sys.stderr, flush=True)
+                return 1
     return 0

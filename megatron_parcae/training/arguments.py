@@ -104,7 +104,7 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-events", default=None, metavar="FILE",
                    help="append what the run does (logged steps, checkpoints, layout changes) to FILE as JSON "
                         "lines, written by the layout's rank 0 (megatron_parcae/events.py); also without --parcae")
-    add_etcd_arguments(p, prefix="parcae-", required=False)
+    add_etcd_arguments(p, prefix="parcae-", required=False, long_running=True)
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:

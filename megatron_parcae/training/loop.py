@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_parcae import events
 from megatron_parcae.control.agent import FENCED_EXIT
-from megatron_parcae.control.etcd.client import EtcdClient
+from megatron_parcae.control.etcd.client import EtcdClient, EtcdGone
 from megatron_parcae.training import checkpointing
 from megatron_parcae.training.data.datasets import build_tokenizer, build_train_dataset
 from megatron_parcae.training.device import collective_timeout
@@ -117,7 +117,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
         runtime.destroy()
         finished = progress.consumed_samples
         return 0
-    except LiveJobError as exc:
+    except (LiveJobError, EtcdGone) as exc:
         return _fail(prog, str(exc), _fenced_exit() if isinstance(exc, WorkerFenced) else 1)
     finally:
         hook.finish(finished)

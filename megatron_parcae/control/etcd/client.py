@@ -15,6 +15,7 @@ Python protobuf backend, so this module selects it before protobuf is first impo
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -63,6 +64,11 @@ class EtcdError(RuntimeError):
 
 class EtcdUnavailable(EtcdError):
     """etcd cannot be reached (down, wrong endpoint, TLS mismatch, or too slow)."""
+
+
+class EtcdGone(EtcdUnavailable):
+    """etcd stayed unreachable longer than the client's outage bound: waiting it out is
+    over, and the caller gives up (a restart of etcd takes less)."""
 
 
 class EtcdAuthError(EtcdError):
@@ -208,6 +214,9 @@ class EtcdClient:
 
     Connecting authenticates (if a user is given) and checks the server answers, so a
     wrong endpoint or password fails here, within `timeout` seconds, not at first use.
+    Afterwards the client tracks how long etcd has been unreachable (every call since
+    the first unanswered one failed): `check_reachable()` raises `EtcdGone` once that
+    exceeds `outage_seconds` (long-running processes set it: see etcd/options.py).
     """
 
     def __init__(
@@ -218,14 +227,19 @@ class EtcdClient:
         user: str | None = None,
         password: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        outage_seconds: float = math.inf,
     ) -> None:
         if (user is None) != (password is None):
             raise ValueError("etcd authentication needs both a user and a password")
         if timeout <= 0:
             raise ValueError(f"etcd timeout must be positive, got {timeout}")
+        if not outage_seconds > timeout:
+            raise ValueError(f"etcd outage bound must exceed the timeout ({timeout:g} s), got {outage_seconds}")
         host, port = parse_endpoint(endpoint)
         self.endpoint = f"{host}:{port}"
         self.timeout = timeout
+        self.outage_seconds = outage_seconds
+        self._unreachable_since: float | None = None  # monotonic time of the first failure in a row
         self._user = user
         self._password = password
         self._tls = tls
@@ -267,15 +281,37 @@ class EtcdClient:
                 "there, and do the client's TLS settings match the server's?"
             ) from None
 
+    # -- reachability ----------------------------------------------------------------
+
+    @property
+    def unreachable_seconds(self) -> float:
+        """How long every call has failed for want of an answer (0 while etcd answers)."""
+        since = self._unreachable_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def check_reachable(self) -> None:
+        """Raise EtcdGone once etcd has been unreachable longer than the outage bound."""
+        if self.unreachable_seconds > self.outage_seconds:
+            raise EtcdGone(f"etcd at {self.endpoint} has not answered for {self.unreachable_seconds:.0f} s, more "
+                           f"than the outage bound of {self.outage_seconds:g} s (an etcd restart takes less): giving up")
+
+    def _answered(self) -> None:
+        self._unreachable_since = None
+
+    def _failed(self, error: EtcdError) -> EtcdError:
+        if isinstance(error, EtcdUnavailable) and self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
+        return error
+
     # -- errors and authentication -------------------------------------------------
 
-    def _error(self, what: str, exc: grpc.RpcError) -> EtcdError:
+    def _error(self, what: str, exc: grpc.RpcError, timeout: float | None = None) -> EtcdError:
         code, details = exc.code(), (exc.details() or "").strip()
         where = f"etcd {what} at {self.endpoint}"
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             hint = "is etcd running there, and do the client's TLS settings match the server's?"
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                details = f"no answer within {self.timeout:g} s"
+                details = f"no answer within {timeout or self.timeout:g} s"
             return EtcdUnavailable(f"{where} failed: {details}; {hint}")
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or any(
                 s in details for s in ("authentication", "auth token", "user name is empty")):
@@ -301,17 +337,20 @@ class EtcdClient:
         at connect, instead of at the caller's first use (status needs no credentials)."""
         self._call("read", self._kv.Range, etcdrpc.RangeRequest(key=b"/", count_only=True))
 
-    def _call(self, what: str, method, request):
-        """Run one unary RPC with the deadline; re-authenticate once if the token expired."""
+    def _call(self, what: str, method, request, timeout: float | None = None):
+        """Run one unary RPC with the deadline (`timeout`, default the client's);
+        re-authenticate once if the token expired."""
         for attempt in range(2):
             try:
-                return method(request, self.timeout, metadata=self._metadata, wait_for_ready=True)
+                response = method(request, timeout or self.timeout, metadata=self._metadata, wait_for_ready=True)
             except grpc.RpcError as exc:
                 if attempt == 0 and self._user is not None and "invalid auth token" in (exc.details() or ""):
                     with self._auth_lock:
                         self._authenticate()
                     continue
-                raise self._error(what, exc) from None
+                raise self._failed(self._error(what, exc, timeout)) from None
+            self._answered()
+            return response
         raise AssertionError("unreachable")
 
     # -- key/value -------------------------------------------------------------------
@@ -334,14 +373,15 @@ class EtcdClient:
             req.range_end = prefix_end(key)
         return self._call(f"delete {key}", self._kv.DeleteRange, req).deleted
 
-    def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = ()) -> TxnResult:
+    def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = (),
+            timeout: float | None = None) -> TxnResult:
         """Atomically: if every condition holds run `success`, else `failure`."""
         request = etcdrpc.TxnRequest(
             compare=[self._compare_message(c) for c in compare],
             success=[self._op_message(op) for op in success],
             failure=[self._op_message(op) for op in failure],
         )
-        response = self._call("transaction", self._kv.Txn, request)
+        response = self._call("transaction", self._kv.Txn, request, timeout)
         reads = [[_to_kv(kv) for kv in r.response_range.kvs] for r in response.responses if r.WhichOneof("response") == "response_range"]
         return TxnResult(response.succeeded, reads)
 
@@ -378,18 +418,22 @@ class EtcdClient:
             raise EtcdError(f"etcd lease grant at {self.endpoint} failed: {response.error}")
         return response.ID, response.TTL
 
-    def refresh_lease(self, lease_id: int) -> int:
-        """Send one keep-alive; return the remaining TTL in seconds, 0 if the lease is gone."""
+    def refresh_lease(self, lease_id: int, timeout: float | None = None) -> int:
+        """Send one keep-alive (waiting `timeout` s, default the client's); return the
+        remaining TTL in seconds, 0 if the lease is gone."""
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
-        responses = self._lease.LeaseKeepAlive(iter([request]), self.timeout, metadata=self._metadata, wait_for_ready=True)
+        responses = self._lease.LeaseKeepAlive(iter([request]), timeout or self.timeout, metadata=self._metadata,
+                                               wait_for_ready=True)
         try:
-            return next(responses).TTL
+            ttl = next(responses).TTL
         except grpc.RpcError as exc:
-            raise self._error("lease keep-alive", exc) from None
+            raise self._failed(self._error("lease keep-alive", exc, timeout)) from None
         except StopIteration:
-            raise EtcdUnavailable(f"etcd lease keep-alive at {self.endpoint} got no answer") from None
+            raise self._failed(EtcdUnavailable(f"etcd lease keep-alive at {self.endpoint} got no answer")) from None
         finally:
             responses.cancel()
+        self._answered()
+        return ttl
 
     def revoke_lease(self, lease_id: int) -> bool:
         """Revoke a lease (its keys are deleted); False if it was already gone."""
@@ -492,6 +536,9 @@ class KeptLease:
     process was stalled, or someone revoked it to fence the holder); `on_lost` is called
     once then, on whichever thread noticed. While etcd is merely unreachable the lease is
     not declared lost: etcd extends every lease when it comes back.
+
+    Each keep-alive waits at most a third of the TTL for its answer, so that one lost
+    or slow exchange (a busy machine, an etcd fsync) is retried before the lease runs out.
     """
 
     def __init__(self, client: EtcdClient, ttl_seconds: float, on_lost: Callable[[], None] | None = None) -> None:
@@ -501,6 +548,7 @@ class KeptLease:
         self._on_lost = on_lost
         self._valid_until = requested_at + self.ttl
         self._failed_at = -float("inf")
+        self._answered = True  # the last keep-alive was answered: the next is due in ttl/3, not sooner
         self._lost = False
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -508,7 +556,7 @@ class KeptLease:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.ttl / 3) and self.refresh():
+        while not self._stopped.wait(self.ttl / (3 if self._answered else 6)) and self.refresh():
             pass
 
     def refresh(self) -> bool:
@@ -521,11 +569,13 @@ class KeptLease:
             return False
         sent = time.monotonic()
         try:
-            ttl = self._client.refresh_lease(self.id)
+            ttl = self._client.refresh_lease(self.id, timeout=max(1.0, self.ttl / 3))
         except EtcdError as exc:
-            self._failed_at = sent
-            log.warning("lease %x keep-alive failed: %s", self.id, exc)
+            if self._answered:  # once per outage: it is retried every few seconds
+                log.warning("lease %x keep-alive failed (retrying until etcd answers): %s", self.id, exc)
+            self._failed_at, self._answered = sent, False
             return True
+        self._answered = True
         if ttl > 0:
             self._valid_until = sent + ttl
             return True
@@ -540,10 +590,10 @@ class KeptLease:
 
         A process resumed after a stall longer than the TTL must not act on a stale view
         before the keep-alive thread has answered, so an overdue lease is checked here,
-        after any keep-alive in flight (but not again within a third of the TTL of a
-        failed attempt, so an etcd outage does not slow the caller down).
+        after any keep-alive in flight (but not while etcd does not answer, or within a
+        third of the TTL of a failed attempt, so an etcd outage does not slow the caller down).
         """
-        if not self._lost and time.monotonic() > self._valid_until:
+        if not self._lost and time.monotonic() > self._valid_until and self._client.unreachable_seconds == 0:
             with self._lock:
                 now = time.monotonic()
                 if now > self._valid_until and now - self._failed_at > self.ttl / 3:
@@ -558,6 +608,9 @@ class KeptLease:
             if self._lost:
                 return
             self._lost = True
+        if self._client.unreachable_seconds > 0:  # do not wait out a deadline on the way out
+            log.warning("lease %x not revoked: etcd is unreachable (it expires in %d s)", self.id, self.ttl)
+            return
         try:
             self._client.revoke_lease(self.id)
         except EtcdError as exc:

@@ -600,11 +600,11 @@ class JobStore:
 
     # -- end of training -------------------------------------------------------------
 
-    def record_progress(self, record: ProgressRecord, worker_id: int, lease: int) -> bool:
+    def record_progress(self, record: ProgressRecord, worker_id: int, lease: int, timeout: float | None = None) -> bool:
         """Write how far training got, if `worker_id` is still a member on `lease`; the
         record itself is on no lease (it must outlive every worker)."""
         guard = Compare(self.keys.member(worker_id), "lease", "==", lease)
-        return self.client.txn([guard], [Put(self.keys.progress, record.encode())]).succeeded
+        return self.client.txn([guard], [Put(self.keys.progress, record.encode())], timeout=timeout).succeeded
 
     def progress(self) -> ProgressRecord | None:
         kv = self.client.get(self.keys.progress)

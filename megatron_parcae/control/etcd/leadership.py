@@ -77,6 +77,7 @@ class Leadership:
                     if self.try_acquire():
                         return True
                 except EtcdUnavailable as exc:
+                    self._client.check_reachable()
                     log.warning("%s: cannot campaign for leadership yet: %s", self.candidate, exc)
                 changed.wait(timeout=min(1.0, self.lease_seconds / 3))
             return False

@@ -18,10 +18,13 @@ if TYPE_CHECKING:
     from megatron_parcae.control.etcd.client import EtcdClient
 
 PASSWORD_ENV = "PARCAE_ETCD_PASSWORD"
+DEFAULT_OUTAGE_S = 60.0  # several lease periods, more than an etcd restart takes
 
 
-def add_etcd_arguments(parser: argparse.ArgumentParser, prefix: str = "", required: bool = True) -> None:
-    """Add --{prefix}etcd, --{prefix}job and the TLS / user / timeout options."""
+def add_etcd_arguments(parser: argparse.ArgumentParser, prefix: str = "", required: bool = True,
+                       long_running: bool = False) -> None:
+    """Add --{prefix}etcd, --{prefix}job and the TLS / user / timeout options; for a
+    process that lives as long as the job, the bound on waiting out an etcd outage."""
     g = parser.add_argument_group(f"{prefix}etcd")
     g.add_argument(f"--{prefix}etcd", required=required, default=None, metavar="HOST:PORT", help="etcd endpoint")
     g.add_argument(f"--{prefix}job", required=required, default=None,
@@ -34,6 +37,10 @@ def add_etcd_arguments(parser: argparse.ArgumentParser, prefix: str = "", requir
     g.add_argument(f"--{prefix}etcd-password-file", default=None, metavar="FILE", help="file holding the etcd password")
     g.add_argument(f"--{prefix}etcd-timeout", type=float, default=5.0, metavar="SECONDS",
                    help="how long to wait for etcd to answer (default 5)")
+    if long_running:
+        g.add_argument(f"--{prefix}etcd-outage-seconds", type=float, default=DEFAULT_OUTAGE_S, metavar="SECONDS",
+                       help=f"exit with an error once etcd has not answered for this long (default "
+                            f"{DEFAULT_OUTAGE_S:g}: several lease periods, more than an etcd restart)")
 
 
 def _option(args: argparse.Namespace, prefix: str, name: str):
@@ -66,6 +73,9 @@ def check_etcd_arguments(args: argparse.Namespace, prefix: str = "") -> str | No
     timeout = get("etcd-timeout")
     if not (math.isfinite(timeout) and timeout > 0):
         raise ValueError(f"{flag}etcd-timeout must be a positive number of seconds, got {timeout}")
+    outage = _outage_seconds(args, prefix)
+    if not (math.isfinite(outage) and outage > timeout):
+        raise ValueError(f"{flag}etcd-outage-seconds must exceed {flag}etcd-timeout ({timeout:g}), got {outage}")
     from megatron_parcae.control.etcd.keys import JobKeys
 
     try:
@@ -89,4 +99,10 @@ def connect(args: argparse.Namespace, prefix: str = "") -> EtcdClient:
         return _option(args, prefix, name)
 
     tls = TLSFiles(get("etcd-ca"), get("etcd-cert"), get("etcd-key")) if get("etcd-ca") else None
-    return EtcdClient(get("etcd"), tls=tls, user=get("etcd-user"), password=password, timeout=get("etcd-timeout"))
+    return EtcdClient(get("etcd"), tls=tls, user=get("etcd-user"), password=password, timeout=get("etcd-timeout"),
+                      outage_seconds=_outage_seconds(args, prefix))
+
+
+def _outage_seconds(args: argparse.Namespace, prefix: str) -> float:
+    """--{prefix}etcd-outage-seconds where the command has it (see `long_running`)."""
+    return getattr(args, (prefix + "etcd-outage-seconds").replace("-", "_"), DEFAULT_OUTAGE_S)

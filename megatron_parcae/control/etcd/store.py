@@ -55,8 +55,9 @@ class EtcdStore(dist.Store):
         """Repeat `attempt` until it returns something other than None, or time out.
 
         etcd errors count as "not yet" (etcd may be restarting or electing a leader),
-        except refused credentials, which no amount of waiting fixes. A zero timeout
-        waits forever, as torch's kNoTimeout does.
+        except refused credentials, which no amount of waiting fixes, and an etcd gone
+        longer than the client's outage bound (EtcdGone). A zero timeout waits forever,
+        as torch's kNoTimeout does.
         """
         limit = (self.timeout if timeout is None else timeout).total_seconds()
         deadline = time.monotonic() + limit if limit > 0 else float("inf")
@@ -69,6 +70,7 @@ class EtcdStore(dist.Store):
             except EtcdAuthError:
                 raise
             except EtcdError as exc:
+                self._client.check_reachable()
                 last_error = f"; last etcd error: {exc}"
             now = time.monotonic()
             if now >= deadline:

@@ -28,6 +28,11 @@ notice and delivers the coordinator's plans; this module applies them:
   coordinator then resumes the job from its last checkpoint.
 - `finish()`: the worker that ends training records it in etcd, so standby workers and
   the coordinator exit too.
+- Without etcd the job cannot change, so it does not wait for it for ever: once etcd has
+  not answered for --parcae-etcd-outage-seconds, or a notice has used half its grace
+  period while etcd does not answer (the coordinator cannot hear it), the layout's
+  workers agree at the next boundary to write a checkpoint (with --save) and exit with
+  an error.
 
 WORLD is formed on an etcd-backed store under the job's prefix (control/etcd/store.py), so the
 workers need no address but etcd's.
@@ -48,7 +53,7 @@ from megatron_parcae import events
 from megatron_parcae.training import checkpointing
 from megatron_parcae.training.device import collective_timeout, prepare_device
 from megatron_parcae.control.agent import ParcaeAgent
-from megatron_parcae.control.etcd.client import EtcdClient, EtcdUnavailable
+from megatron_parcae.control.etcd.client import EtcdClient, EtcdGone, EtcdUnavailable
 from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, DoneRecord, JobStore, PlanEnvelope, SchemaError
 from megatron_parcae.control.etcd.store import EtcdStore
 from megatron_parcae.control.notices import build_watcher
@@ -72,7 +77,6 @@ from reconfig.world import World, is_peer_failure, process_group_backend
 
 STANDBY_POLL_SECONDS = 0.2
 DONE_POLL_SECONDS = 1.0
-ETCD_OUTAGE_SECONDS = 60.0  # how long the training loop waits out an unreachable etcd (a restart)
 T = TypeVar("T")
 
 
@@ -134,11 +138,15 @@ class LiveReconfiguration:
                                    consumed_samples)
         self._check_membership()
         pending = self.agent.pending_plan()
-        newest = planes.control_tensor([pending.generation if pending is not None else self.generation])
-        dist.all_reduce(newest, op=dist.ReduceOp.MAX)
-        if int(newest) > self.generation:
+        agreed = planes.control_tensor([pending.generation if pending is not None else self.generation,
+                                        int(self._cut_off() is not None)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        newest, cut_off = int(agreed[0]), bool(agreed[1])
+        if cut_off:
+            self._save_and_stop(runtime, consumed_samples)
+        if newest > self.generation:
             self.before_change()
-            runtime, consumed_samples = self._apply_until(int(newest), runtime, consumed_samples)
+            runtime, consumed_samples = self._apply_until(newest, runtime, consumed_samples)
             if runtime is None:
                 return self._await_plan(None, consumed_samples)
         self._last_boundary = time.perf_counter()
@@ -177,21 +185,51 @@ class LiveReconfiguration:
     # -- plans -----------------------------------------------------------------------
 
     def _etcd(self, what: str, call: Callable[[], T]) -> T:
-        """`call`, retried while etcd is unreachable (it restarts); LiveJobError after
-        ETCD_OUTAGE_SECONDS. The agent keeps the lease meanwhile, on its own threads."""
-        deadline = time.monotonic() + ETCD_OUTAGE_SECONDS
+        """`call`, retried while etcd is unreachable (it restarts) up to the client's outage
+        bound, then LiveJobError. The agent keeps the lease meanwhile, on its own threads."""
         while True:
             try:
                 return call()
-            except EtcdUnavailable as exc:
-                if time.monotonic() > deadline:
-                    raise LiveJobError(f"could not {what} for {ETCD_OUTAGE_SECONDS:g} s: {exc}") from None
+            except EtcdUnavailable:
+                self._check_membership()
                 time.sleep(STANDBY_POLL_SECONDS)
 
     def _check_membership(self) -> None:
+        """Raise if this worker cannot go on: fenced, or etcd gone for longer than the bound."""
         if self.agent.fenced:
             raise WorkerFenced(f"worker {self.world.worker} lost its membership in job {self.args.parcae_job} "
                                "(its lease expired or the coordinator dropped it); its state is no longer wanted")
+        try:
+            self.store.client.check_reachable()
+        except EtcdGone as exc:
+            raise LiveJobError(f"worker {self.world.worker}: {exc}") from None
+
+    def _cut_off(self) -> str | None:
+        """Why this worker must stop without a plan, if it must: etcd is gone, or a notice
+        has used half its grace period while etcd does not answer."""
+        client = self.store.client
+        if client.unreachable_seconds > client.outage_seconds:
+            return f"etcd at {client.endpoint} has not answered for {client.unreachable_seconds:.0f} s " \
+                   f"(--parcae-etcd-outage-seconds {client.outage_seconds:g})"
+        deadline = self.agent.notice_deadline
+        if deadline is not None and client.unreachable_seconds > 0 \
+                and deadline - time.time() <= self.args.parcae_grace_seconds / 2:
+            return f"a preemption notice came while etcd at {client.endpoint} does not answer"
+        return None
+
+    def _save_and_stop(self, runtime: Runtime, consumed_samples: int) -> None:
+        """Every worker of the layout agreed that the job cannot go on without etcd: write
+        a checkpoint of this iteration where --save is set, then stop (LiveJobError)."""
+        self.before_change()  # the save in flight
+        progress = Progress.at(consumed_samples, self.samples_per_iteration)
+        why = self._cut_off() or "a peer of this layout is cut off from etcd"
+        saved = "steps since the last checkpoint are lost (no --save)"
+        if self.args.save:
+            if not self._checkpointed(progress.iteration):
+                checkpointing.Checkpointer(self.args.save, False, collective_timeout(self.args)).save(runtime, progress)
+            saved = f"saved iteration {progress.iteration} under {self.args.save}"
+        release_runtime(runtime)
+        raise LiveJobError(f"worker {self.world.worker} stops: {why}; {saved}")
 
     def _superseded(self, peers: tuple[int, ...]) -> bool:
         """Whether waiting for `peers` while the plan being applied is formed is in vain:
@@ -241,11 +279,15 @@ class LiveReconfiguration:
         while True:
             self._check_membership()
             pending = self.agent.pending_plan()
-            if runtime is None and self.agent.notice_received and pending is None:
+            # what it kept of a broken layout goes with it when no plan can come for it in time
+            if pending is None and self.agent.notice_received and (runtime is None or self._cut_off()):
                 return None, consumed_samples
             if time.monotonic() >= next_done_check:
-                if self._etcd("read whether training ended", self.store.done) is not None:
-                    return None, consumed_samples
+                try:
+                    if self.store.done() is not None:
+                        return None, consumed_samples
+                except EtcdUnavailable:
+                    pass  # asked again; _check_membership gives up after the outage bound
                 next_done_check = time.monotonic() + DONE_POLL_SECONDS
             if pending is None:
                 time.sleep(STANDBY_POLL_SECONDS)

@@ -1,0 +1,65 @@
+"""Nothing waits for ever: a job whose etcd is gone for good stops, its workers saving a
+checkpoint first, instead of hanging (`parcae replay` stopped by SIGTERM: test_live_errors)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ITERS, REPO, TRAIN, start_logged, wait_for
+from megatron_parcae.control.etcd import EtcdClient, EtcdServer, JobStore
+from megatron_parcae.training.checkpointing import read_progress
+
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+PROFILE = REPO / "configs/profiles/gpt-tiny-cpu.json"
+
+
+def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path):
+    """etcd stops while two workers train and one of them is noticed: the workers agree to
+    save and leave within the notice's grace period, the coordinator gives up after the
+    outage bound; each says why and exits with an error."""
+    outage_s, grace_s = 20, 8
+    server = EtcdServer().start()
+    processes: list[subprocess.Popen] = []
+    try:
+        with EtcdClient(server.endpoint, timeout=3) as client:
+            store = JobStore(client, "outage")
+            config = tmp_path / "coordinator.yaml"
+            config.write_text(f"profile: {PROFILE}\ninterval-seconds: 2\nlookahead: 4\ngrace-seconds: {grace_s}\n"
+                              "lease-seconds: 2\nmax-workers: 2\nmin-workers: 2\n")
+            coordinator = start_logged([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd",
+                                        server.endpoint, "--job", "outage", "--config", str(config),
+                                        "--etcd-outage-seconds", str(outage_s)], tmp_path / "coordinator.log")
+            processes.append(coordinator)
+            save = tmp_path / "checkpoints"
+            workers = [start_logged([sys.executable, "scripts/pretrain_gpt.py", *TRAIN, "--parcae",
+                                     "--parcae-etcd", server.endpoint, "--parcae-job", "outage",
+                                     "--parcae-worker-id", str(w), "--parcae-grace-seconds", str(grace_s),
+                                     "--parcae-lease-seconds", "5", "--parcae-etcd-outage-seconds", str(outage_s),
+                                     "--save", str(save), "--save-interval", str(ITERS)],
+                                    tmp_path / f"worker-{w}.log") for w in (0, 1)]
+            processes += workers
+            wait_for(lambda: max((r.iteration for r in store.step_reports().values()), default=0) >= 3, 180,
+                     "3 iterations")
+        server.stop()
+        workers[0].send_signal(signal.SIGTERM)
+        for w, p in enumerate(workers):  # within the grace period, and the few seconds an exit takes
+            assert p.wait(timeout=grace_s + 5) == 1
+            log = (tmp_path / f"worker-{w}.log").read_text()
+            assert "etcd" in log and "stops:" in log and "saved iteration" in log, log[-2000:]
+        assert coordinator.wait(timeout=outage_s + 30) == 1
+        log = (tmp_path / "coordinator.log").read_text()
+        assert f"more than the outage bound of {outage_s:g} s" in log, log[-2000:]
+        # the checkpoint holds the iteration they stopped at: nothing trained is lost
+        _, progress = read_progress(str(save))
+        assert 3 <= progress["iteration"] < ITERS
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        server.stop()
