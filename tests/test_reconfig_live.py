@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL_GPT, assert_close, assert_same_state, layout_flags, losses, torchrun
+from helpers import (SMALL_GPT, assert_close, assert_same_state, computed_folder, layout_flags, losses, shared_losses,
+                     torchrun)
 from megatron_parcae import events
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 from reconfig.schedule import LayoutChange, parse_layout_schedule
@@ -22,8 +23,12 @@ ITERS = 12
 @pytest.fixture(scope="module")
 def reference_run(tiny_data, tmp_path_factory) -> tuple[dict[int, float], Path]:
     """Losses of an uninterrupted single-process run, and the folder of its final checkpoint."""
-    save = tmp_path_factory.mktemp("reference") / "checkpoints"
-    return losses(torchrun("pretrain_gpt.py", 1, SMALL_GPT + ["--train-iters", str(ITERS), "--save", str(save)])), save
+    def run(folder: Path) -> dict[int, float]:
+        return losses(torchrun("pretrain_gpt.py", 1, SMALL_GPT + ["--train-iters", str(ITERS), "--save",
+                                                                  str(folder / "checkpoints")]))
+
+    return shared_losses(tmp_path_factory, "reconfig-reference", run), \
+        computed_folder(tmp_path_factory, "reconfig-reference") / "checkpoints"
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from helpers import REPO, SMALL_GPT, TRACES, assert_close, assert_same_state, losses, torchrun
+from helpers import REPO, SMALL_GPT, TRACES, assert_close, assert_same_state, computed_once, losses, torchrun
 from megatron_parcae.events import Iteration, PlanPublished, read_events
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -29,10 +30,13 @@ def parcae(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def small_profile(tiny_data, tmp_path_factory):
-    path = tmp_path_factory.mktemp("profile") / "small-gpt.json"
-    result = parcae("profile", "--output", str(path), "--repeats", "2", "--", *SMALL_GPT, "--train-iters", "2000")
-    assert result.returncode == 0, result.stderr[-2000:]
-    return path
+    def profile(folder: Path) -> str:
+        path = folder / "small-gpt.json"
+        result = parcae("profile", "--output", str(path), "--repeats", "2", "--", *SMALL_GPT, "--train-iters", "2000")
+        assert result.returncode == 0, result.stderr[-2000:]
+        return str(path)
+
+    return Path(computed_once(tmp_path_factory, "small-profile", profile))
 
 
 def test_instances_of_two_processes_are_preempted_whole_and_train_the_uninterrupted_model(small_profile, tmp_path):

@@ -16,13 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import REPO, SMALL_GPT, assert_close, layout_flags, losses, torchrun, write_tracker
+from helpers import (REPO, SMALL_GPT, assert_close, computed_folder, layout_flags, losses, shared_losses, torchrun,
+                     write_tracker)
 
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_data) -> dict[int, float]:
-    return losses(torchrun("pretrain_gpt.py", 1, SMALL_GPT + ["--train-iters", "10"]))
+def reference(tiny_data, tmp_path_factory) -> dict[int, float]:
+    return shared_losses(tmp_path_factory, "training-reference",
+                         lambda _: losses(torchrun("pretrain_gpt.py", 1, SMALL_GPT + ["--train-iters", "10"])))
 
 
 # Each optimizer with TP, PP and DP, in four layouts (T1P2 alone is what the resume tests
@@ -41,11 +43,15 @@ def test_layouts_train_the_same_model(reference, layout, distributed_optimizer):
 @pytest.fixture(scope="module")
 def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, dict[int, float]]:
     """20 iterations at T1P2D1 with asynchronous checkpoints at 10 and 20; the tracker names 10."""
-    save = tmp_path_factory.mktemp("resume") / "ckpt"
-    full = losses(torchrun("pretrain_gpt.py", 2, SMALL_GPT + layout_flags(1, 2) + [
-        "--train-iters", "20", "--save", str(save), "--save-interval", "10", "--use-distributed-optimizer", "--async-save"]))
-    write_tracker(save, 10)
-    return save, full
+    def run(folder: Path) -> dict[int, float]:
+        full = losses(torchrun("pretrain_gpt.py", 2, SMALL_GPT + layout_flags(1, 2) + [
+            "--train-iters", "20", "--save", str(folder / "ckpt"), "--save-interval", "10",
+            "--use-distributed-optimizer", "--async-save"]))
+        write_tracker(folder / "ckpt", 10)
+        return full
+
+    full = shared_losses(tmp_path_factory, "resume", run)
+    return computed_folder(tmp_path_factory, "resume") / "ckpt", full
 
 
 @pytest.mark.slow
@@ -95,9 +101,9 @@ def test_unknown_config_key_is_named(tmp_path):
 
 
 @pytest.mark.slow
-def test_bert_tiny_learns_in_50_iterations(tiny_data):
+def test_bert_tiny_learns_in_20_iterations(tiny_data):
     """GPT-tiny's learning is checked by tests/test_half_precision.py and the quick start."""
-    run = losses(torchrun("pretrain_bert.py", 2, ["--config", "configs/bert-tiny.yaml", "--train-iters", "50",
+    run = losses(torchrun("pretrain_bert.py", 2, ["--config", "configs/bert-tiny.yaml", "--train-iters", "20",
                                                   *layout_flags(1, 2)]))
     first, last = run[min(run)], run[max(run)]
     assert last < 0.8 * first, (first, last)
