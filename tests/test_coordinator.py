@@ -436,6 +436,7 @@ BAD_CONFIGS = [
     ({"profile": "missing.json"}, "profile: no file"),
     ({"colour": "blue"}, "unknown key(s) colour"),
     ({"min-workers": 9}, "min-workers 9 exceeds max-workers 8"),
+    ({"forecaster": "oracle"}, "forecaster: expected one of default, last-value"),
 ]
 
 
@@ -469,7 +470,8 @@ VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 100), st.floats(all
 
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.sampled_from(["profile", "model", "cost-constants", "interval-seconds", "lookahead",
-                                        "grace-seconds", "lease-seconds", "max-workers", "min-workers", "x"]),
+                                        "grace-seconds", "lease-seconds", "max-workers", "min-workers", "forecaster",
+                                        "x"]),
                        VALUES, max_size=6))
 def test_config_loader_gives_only_clear_errors(data):
     try:

@@ -84,7 +84,7 @@ from megatron_parcae.control.etcd.keys import (
 )
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
-from predictor.forecast import AvailabilityForecast, Forecaster, make_forecaster
+from predictor.forecast import FORECASTERS, AvailabilityForecast, Forecaster, make_forecaster
 from reconfig.layout import Layout
 from reconfig.plan import MigrationPlan
 from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement
@@ -116,6 +116,7 @@ class CoordinatorConfig:
     min_workers: int = 1  # the first plan waits for this many workers
     distributed_optimizer: bool = False  # the workers train with --use-distributed-optimizer
     gpus_per_instance: int = 1  # workers (GPUs) of an instance: a preemption takes them all
+    forecaster: str = "default"  # predictor.forecast.FORECASTERS: availability over the lookahead
 
     @classmethod
     def load(cls, path: str | Path) -> CoordinatorConfig:
@@ -147,6 +148,10 @@ class CoordinatorConfig:
             elif name == "model":
                 if not isinstance(value, str) or not value:
                     raise ConfigError(f"{where}: model: expected a model name, got {value!r}")
+                values[name] = value
+            elif name == "forecaster":
+                if value not in FORECASTERS:
+                    raise ConfigError(f"{where}: forecaster: expected one of {', '.join(FORECASTERS)}, got {value!r}")
                 values[name] = value
             elif name == "distributed_optimizer":
                 if not isinstance(value, bool):
@@ -239,7 +244,7 @@ class Coordinator:
         self._last_warning = ""
         # Loaded from etcd by _resume() each time leadership is won; made here once so
         # that its imports are paid before a takeover, not during one.
-        self._forecaster: Forecaster = make_forecaster("default", self._interval)
+        self._forecaster: Forecaster = make_forecaster(config.forecaster, self._interval)
         self._forecast: AvailabilityForecast | None = None
         self._history: deque[list[int]] = deque(maxlen=HISTORY_KEPT)
         self._boundary_at = 0.0
@@ -330,7 +335,7 @@ class Coordinator:
         except SchemaError as exc:
             log.error("%s; starting a new availability history", exc)
             state = None
-        self._forecaster = make_forecaster("default", self._interval)
+        self._forecaster = make_forecaster(self._config.forecaster, self._interval)
         self._history.clear()
         self._forecast = None
         self._previous, self._seen = None, set()
@@ -651,7 +656,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_etcd_arguments(parser, long_running=True)
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
-                             "lease-seconds, max-workers, min-workers, distributed-optimizer (see CoordinatorConfig)")
+                             "lease-seconds, max-workers, min-workers, distributed-optimizer, gpus-per-instance, "
+                             "forecaster (see CoordinatorConfig)")
     parser.add_argument("--events", default=None, metavar="FILE",
                         help="append each published plan to FILE as a JSON line (megatron_parcae/events.py)")
 
