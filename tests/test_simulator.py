@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from megatron_parcae.liveput.cost import CostConstants
 from megatron_parcae.liveput.factory import build_liveput
 from megatron_parcae.tools import simulate
 from megatron_parcae.tools.simulate import Replay, Simulation
-from megatron_parcae.tools.plan import cycled
+from megatron_parcae.tools.plan import Sizer, cycled
 from predictor.traces import AvailabilityTrace
 
 import helpers
@@ -118,12 +119,30 @@ def test_plan_adds_on_demand_only_when_spot_alone_is_too_slow(tmp_path, capsys):
     assert all(c["hours"] <= 0.5 for c in candidates)
 
 
-def test_plan_says_when_nothing_finishes(tmp_path, capsys):
+def test_plan_says_when_nothing_finishes_and_what_the_fastest_does(tmp_path, capsys):
     trace = write_flat_trace(tmp_path / "two.csv", 2, 10)
     code = main(["plan", "--profile", BERT, "--samples", "1e9", "--deadline", "0.1", "--trace", trace,
-                 "--lookahead", "1"])
+                 "--lookahead", "1", "--json"])
     assert code == 1
-    assert "no cluster finishes by the deadline" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    fastest = json.loads(captured.out)["fastest"]
+    assert "no cluster finishes by the deadline: the fastest" in captured.err
+    assert fastest["on_demand"] > 0 and fastest["hours"] > 0.1 and 0 < fastest["samples_by_deadline"] < 1e9
+    assert f"{fastest['hours']:.2f} h" in captured.err
+
+
+def test_plan_search_finds_the_fewest_on_demand_instances_that_trying_each_finds(tmp_path):
+    """The search bounds with the ideal policy before simulating parcae: it must find what
+    simulating every count finds."""
+    constants = CostConstants.load()
+    trace = AvailabilityTrace.load(write_flat_trace(tmp_path / "three.csv", 3, 30))
+    liveput = build_liveput(BERT, constants, max_workers=8, lookahead=2, distributed_optimizer=False)
+    sizer = Sizer([trace], liveput, 150_000, 0.5, 1.0, 3.0)
+    for spot in (0, 3):
+        most = sizer.largest - spot
+        every = [od for od in range(most + 1) if math.isfinite(sizer.evaluate(spot, od).hours)]
+        found = sizer.fewest_on_demand(spot, most)
+        assert (found.on_demand if found else None) == (every[0] if every else None), (spot, every)
 
 
 def test_plan_rejects_bad_numbers(capsys):

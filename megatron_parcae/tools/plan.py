@@ -16,6 +16,14 @@ traces and every count here are instances, and a cluster of n instances trains o
 GPUs. Spot sizes are tried on a grid up to the instances the profile's largest layout
 needs; for each, the fewest on-demand instances that meet the deadline are found by
 bisection (more instances never slow training down in the profiles we read).
+
+The search stays short by bounding before simulating: the `ideal` policy (the best
+layout of every interval, free changes) trains at least as much as `parcae` and costs
+a table lookup per interval, so a cluster whose ideal misses the deadline is never
+simulated, and the bisection runs on ideals first. The fastest cluster of all (as many
+on-demand instances as the largest layout needs) answers an impossible question at
+once, with the hours it would take. Simulations stop once they reach the target, and
+those of one spot size share the forecasts of its trace.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ import numpy as np
 
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants
 from megatron_parcae.liveput.factory import LiveputStack, build_liveput
-from megatron_parcae.tools.simulate import ON_DEMAND_PRICE, SPOT_PRICE, Replay, Simulation
+from megatron_parcae.tools.simulate import ON_DEMAND_PRICE, SPOT_PRICE, ForecasterFeed, Replay, Simulation
 from predictor.traces import AvailabilityTrace
 from reconfig.placement import MAX_GPUS_PER_INSTANCE
 
@@ -73,8 +81,9 @@ def cycled(trace: AvailabilityTrace, interval_seconds: float, intervals: int) ->
     return Replay(interval_seconds, counts, arrivals, preemptions, 0, intervals)
 
 
-def outcome(sim: Simulation, samples: float, spot_price: float, on_demand_price: float) -> Outcome:
-    run = sim.run("parcae")
+def outcome(sim: Simulation, samples: float, spot_price: float, on_demand_price: float,
+            policy: str = "parcae") -> Outcome:
+    run = sim.run(policy, until_samples=samples)
     per_interval = np.array(run.rates) * sim.interval
     done = np.cumsum(per_interval)
     hours = sim.interval / 3600
@@ -98,44 +107,77 @@ class Sizer:
         self.samples = samples
         self.spot_price, self.on_demand_price = spot_price, on_demand_price
         self.intervals = max(1, math.ceil(deadline_hours * 3600 / self.constants.interval_seconds))
-        self._seen: dict[tuple[int, int], Candidate] = {}
+        self.largest = -(-liveput.throughput.max_workers // liveput.gpus_per_instance)
+        self._seen: dict[tuple[str, int, int], Candidate] = {}
+        self._replays: dict[tuple[int, int], tuple[Replay, ForecasterFeed]] = {}
 
-    def evaluate(self, spot: int, on_demand: int) -> Candidate:
-        key = (spot, on_demand)
+    def _replay(self, trace: int, spot: int) -> tuple[Replay, ForecasterFeed]:
+        """Trace `trace` scaled to `spot` instances over the deadline, and its forecasts."""
+        if (trace, spot) not in self._replays:
+            if spot:
+                replay = cycled(self.traces[trace].scale(spot), self.constants.interval_seconds, self.intervals)
+            else:
+                none = np.zeros(self.intervals, dtype=np.int64)
+                replay = Replay(self.constants.interval_seconds, none, none, none, 0, self.intervals)
+            self._replays[trace, spot] = replay, ForecasterFeed(replay)
+        return self._replays[trace, spot]
+
+    def evaluate(self, spot: int, on_demand: int, policy: str = "parcae") -> Candidate:
+        key = (policy, spot, on_demand)
         if key not in self._seen:
             outcomes = []
-            for trace in self.traces:
-                if spot:
-                    replay = cycled(trace.scale(spot), self.constants.interval_seconds, self.intervals)
-                else:
-                    none = np.zeros(self.intervals, dtype=np.int64)
-                    replay = Replay(self.constants.interval_seconds, none, none, none, 0, self.intervals)
+            for trace in range(len(self.traces)):
+                replay, feed = self._replay(trace, spot)
                 sim = Simulation(replay, self.liveput, on_demand=on_demand, spot_price=self.spot_price,
-                                 on_demand_price=self.on_demand_price)
-                outcomes.append(outcome(sim, self.samples, self.spot_price, self.on_demand_price))
+                                 on_demand_price=self.on_demand_price, feed=feed)
+                outcomes.append(outcome(sim, self.samples, self.spot_price, self.on_demand_price, policy))
+                if not math.isfinite(outcomes[-1].hours):
+                    break  # it misses the deadline on this trace: the others do not matter
             self._seen[key] = Candidate(spot, on_demand, tuple(outcomes))
         return self._seen[key]
 
+    def _finishes(self, spot: int, on_demand: int, policy: str = "parcae") -> bool:
+        return math.isfinite(self.evaluate(spot, on_demand, policy).hours)
+
     def fewest_on_demand(self, spot: int, most: int) -> Candidate | None:
-        """The smallest on-demand count that meets the deadline with `spot` spot instances."""
-        if not math.isfinite(self.evaluate(spot, most).hours):
+        """The smallest on-demand count that meets the deadline with `spot` spot instances:
+        bisection on the ideal, then on parcae above the ideal's answer."""
+        if not self._finishes(spot, most, "ideal"):
             return None
-        low, high = 0, most  # high meets the deadline
+        probe = self._bisect(spot, 0, most, "ideal")  # parcae needs at least as many
+        missed, step = probe - 1, 1
+        while not self._finishes(spot, probe):  # parcae is within a few percent of ideal: look just above first
+            if probe == most:
+                return None
+            missed, probe, step = probe, min(most, probe + step), 2 * step
+        return self.evaluate(spot, self._bisect(spot, missed + 1, probe, "parcae"))
+
+    def _bisect(self, spot: int, low: int, high: int, policy: str) -> int:
+        """The fewest on-demand instances in [low, high] that finish (`high` does)."""
         while low < high:
             middle = (low + high) // 2
-            if math.isfinite(self.evaluate(spot, middle).hours):
+            if self._finishes(spot, middle, policy):
                 high = middle
             else:
                 low = middle + 1
-        return self.evaluate(spot, high)
+        return high
+
+    def possible(self) -> bool:
+        """Whether any cluster can finish: the fastest one does, ideally."""
+        return self._finishes(0, self.largest, "ideal")
+
+    def fastest_rate(self) -> float:
+        """Samples per second of the fastest cluster (on-demand instances for the largest
+        layout, never preempted, at its best layout)."""
+        best = self.liveput.throughput.best(self.largest * self.liveput.gpus_per_instance)
+        return 0.0 if best is None else self.liveput.throughput.samples_per_second(best)
 
     def search(self) -> list[Candidate]:
         """The fewest-on-demand candidate of each spot size on the grid, cheapest first."""
-        largest = -(-self.liveput.throughput.max_workers // self.liveput.gpus_per_instance)
-        step = max(1, math.ceil(largest / SPOT_GRID_STEPS))
+        step = max(1, math.ceil(self.largest / SPOT_GRID_STEPS))
         found = []
-        for spot in sorted({0, *range(step, largest, step), largest}):
-            candidate = self.fewest_on_demand(spot, largest - spot)
+        for spot in sorted({0, *range(step, self.largest, step), self.largest}):
+            candidate = self.fewest_on_demand(spot, self.largest - spot)
             if candidate is not None:
                 found.append(candidate)
         return sorted(found, key=lambda c: (c.dollars, c.hours))
@@ -179,6 +221,22 @@ def _row(c: Candidate) -> dict:
     return {"spot": c.spot, "on_demand": c.on_demand, "hours": round(c.hours, 3), "dollars": round(c.dollars, 2)}
 
 
+def _impossible(args: argparse.Namespace, sizer: Sizer) -> int:
+    """No cluster finishes by the deadline: say what the fastest one would do."""
+    rate, gpus = sizer.fastest_rate(), args.gpus_per_instance
+    fastest = {"spot": 0, "on_demand": sizer.largest, "gpus": sizer.largest * gpus,
+               "hours": round(args.samples / rate / 3600, 3) if rate else None,
+               "samples_by_deadline": round(rate * args.deadline * 3600)}
+    if args.json:
+        print(json.dumps({"gpus_per_instance": gpus, "recommendation": None, "candidates": [], "fastest": fastest},
+                         indent=1))
+    hours = "never" if fastest["hours"] is None else f"{fastest['hours']:.2f} h"
+    print(f"parcae plan: no cluster finishes by the deadline: the fastest, {sizer.largest} on-demand instances "
+          f"({sizer.largest * gpus} GPUs) at the profile's best layout, needs {hours} for {args.samples:g} samples "
+          f"and trains {fastest['samples_by_deadline']:,} by the deadline", file=sys.stderr)
+    return 1
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         _check(args)
@@ -192,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"parcae plan: error: {exc}", file=sys.stderr)
         return 2
     sizer = Sizer(traces, liveput, args.samples, args.deadline, args.spot_price, args.on_demand_price)
+    if not sizer.possible():
+        return _impossible(args, sizer)
     candidates = sizer.search()
     affordable = [c for c in candidates if args.budget is None or c.dollars <= args.budget]
     best = affordable[0] if affordable else None

@@ -144,10 +144,16 @@ class Simulation:
     """Replays one trace segment for one liveput stack; see the module docstring."""
 
     def __init__(self, replay: Replay, liveput: LiveputStack, seed: int = 0, on_demand: int = 0,
-                 spot_price: float = SPOT_PRICE, on_demand_price: float = ON_DEMAND_PRICE):
+                 spot_price: float = SPOT_PRICE, on_demand_price: float = ON_DEMAND_PRICE,
+                 feed: ForecasterFeed | None = None):
+        """`feed`: the forecasts of this replay's spot instances, shared with other
+        simulations of the same replay (forecasting costs as much as deciding)."""
         if liveput.constants.interval_seconds != replay.interval_seconds:
             raise ValueError("the replay and the cost constants disagree on the interval length")
+        if feed is not None and feed.replay is not replay:
+            raise ValueError("the forecaster feed is of another replay")
         self.replay, self.liveput = replay, liveput
+        self.feed = feed
         self.throughput, self.costs = liveput.throughput, liveput.costs
         self.gpus = liveput.gpus_per_instance
         self.on_demand = on_demand
@@ -166,10 +172,11 @@ class Simulation:
         """The workers (GPUs) of `instances`: instance k runs workers k*G .. k*G+G-1."""
         return {k * self.gpus + g for k in instances for g in range(self.gpus)}
 
-    def run(self, policy: str) -> PolicyRun:
+    def run(self, policy: str, until_samples: float = math.inf) -> PolicyRun:
+        """Replay `policy`; with `until_samples`, only until it has trained that many."""
         runners = {"ideal": self._ideal, "throughput": self._reactive,
-                   "parcae": lambda: self._liveput("parcae", oracle=False),
-                   "parcae-oracle": lambda: self._liveput("parcae-oracle", oracle=True)}
+                   "parcae": lambda: self._liveput("parcae", oracle=False, until=until_samples),
+                   "parcae-oracle": lambda: self._liveput("parcae-oracle", oracle=True, until=until_samples)}
         if policy not in runners:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}")
         result = runners[policy]()
@@ -206,11 +213,11 @@ class Simulation:
         run.add(layout, rate, work, self.interval)
         return max(0.0, lost - self.interval)
 
-    def _liveput(self, name: str, oracle: bool) -> PolicyRun:
+    def _liveput(self, name: str, oracle: bool, until: float) -> PolicyRun:
         run = PolicyRun(name)
         optimizer = self.liveput.optimizer()
         forecasts = OracleForecasts(self.replay, self.on_demand) if oracle else \
-            ForecasterFeed(self.replay, self.on_demand)
+            _Shifted(self.feed or ForecasterFeed(self.replay), self.on_demand)
         notice = self.costs.constants.grace_period_seconds > 0
         available = self.workers(self.initial)
         layout: Layout | None = None
@@ -230,6 +237,8 @@ class Simulation:
                 run.restarts += decision.cost.restart
             layout = decision.layout
             busy = self._account(run, None if layout is None else layout.parallelism, busy + decision.cost.seconds)
+            if run.samples >= until:
+                break
         return run
 
 
@@ -253,11 +262,14 @@ class OracleForecasts:
 
 
 class ForecasterFeed:
-    """The predictor's default forecaster, fed the trace up to the current interval."""
+    """The predictor's default forecaster, fed the trace up to the current interval; its
+    forecasts are kept, so simulations of one replay share them."""
 
-    def __init__(self, replay: Replay, on_demand: int):
-        self.replay, self.on_demand = replay, on_demand
+    def __init__(self, replay: Replay):
+        self.replay = replay
         self.forecaster = make_forecaster("default", replay.interval_seconds)
+        self._forecasts: list[AvailabilityForecast | None] = []
+        self._horizon: int | None = None
         for i in range(replay.start):
             self._observe(i)
 
@@ -266,16 +278,29 @@ class ForecasterFeed:
         self.forecaster.observe(int(r.counts[i]), int(r.preemptions[i]), int(r.arrivals[i]))
 
     def after(self, i: int, horizon: int) -> AvailabilityForecast | None:
-        """Observe interval i, then forecast the `horizon` intervals after it."""
-        self._observe(self.replay.start + i)
-        if horizon == 0:
-            return None
-        forecast = self.forecaster.forecast(horizon)
-        if not self.on_demand:
+        """Observe interval i (and those before it), then forecast the `horizon` after it."""
+        if self._horizon not in (None, horizon):
+            raise ValueError(f"this feed forecasts {self._horizon} intervals, not {horizon}")
+        self._horizon = horizon
+        while len(self._forecasts) <= i:
+            self._observe(self.replay.start + len(self._forecasts))
+            self._forecasts.append(self.forecaster.forecast(horizon) if horizon else None)
+        return self._forecasts[i]
+
+
+class _Shifted:
+    """A feed's forecasts of the spot instances, plus `on_demand` that are never preempted."""
+
+    def __init__(self, feed: ForecasterFeed, on_demand: int):
+        self.feed, self.on_demand = feed, on_demand
+
+    def after(self, i: int, horizon: int) -> AvailabilityForecast | None:
+        forecast = self.feed.after(i, horizon)
+        if forecast is None or not self.on_demand:
             return forecast
         shifted = {q: v + self.on_demand for q, v in forecast.quantiles.items()}
         return AvailabilityForecast(forecast.interval_seconds, forecast.expected + self.on_demand, shifted,
-                              forecast.preemptions, forecast.arrivals)
+                                    forecast.preemptions, forecast.arrivals)
 
 
 def percentile_ms(seconds: list[float], q: float) -> float:
