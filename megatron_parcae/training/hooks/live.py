@@ -191,7 +191,10 @@ class LiveReconfiguration:
             try:
                 return call()
             except EtcdUnavailable:
-                self._check_membership()
+                try:
+                    self.store.client.check_reachable()
+                except EtcdGone as exc:
+                    raise LiveJobError(f"worker {self.world.worker} could not {what}: {exc}") from None
                 time.sleep(STANDBY_POLL_SECONDS)
 
     def _check_membership(self) -> None:
