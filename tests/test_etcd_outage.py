@@ -22,7 +22,7 @@ def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path):
     """etcd stops while two workers train and one of them is noticed: the workers agree to
     save and leave within the notice's grace period, the coordinator gives up after the
     outage bound; each says why and exits with an error."""
-    outage_s, grace_s = 20, 8
+    outage_s, grace_s = 24, 16  # half the grace period is left for a boundary and the save
     server = EtcdServer().start()
     processes: list[subprocess.Popen] = []
     try:

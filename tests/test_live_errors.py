@@ -11,6 +11,7 @@ and no process on the machine may name the test's job, endpoint or work folder.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import re
@@ -311,3 +312,38 @@ def test_replay_stopped_by_sigterm_leaves_no_process(tmp_path):
     started = [c for _, c in f.started.values()]
     assert any(" coordinator " in c for c in started) and any("etcd" in c for c in started), started
     assert_nothing_left([f], str(workdir))
+
+
+# -- 6. a profile of another model -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_profile_of_another_model_is_refused_naming_the_difference(etcd_server, client, tmp_path):
+    """Issue 16, acceptance 2: the worker refuses the coordinator's plans, naming what differs,
+    within 10 s of meeting both the coordinator and the job (it polls once a second)."""
+    from megatron_parcae.control.etcd import JobStore
+
+    other = json.loads(PROFILE.read_text())
+    other["model_shape"]["hidden_size"] = 256
+    (tmp_path / "other-model.json").write_text(json.dumps(other))
+    config = tmp_path / "coordinator.yaml"
+    config.write_text(json.dumps({"profile": str(tmp_path / "other-model.json")}))
+    job = f"profile-{uuid.uuid4().hex[:8]}"
+    worker, coordinator, _ = three_commands(etcd_server.endpoint, job, config, [], [])
+    store = JobStore(client, job)
+    registered: list[float] = []  # when the worker's member key was first written
+    watch = client.watch(store.keys.member(0), lambda events: registered.extend(
+        time.time() for e in events if e.value is not None))
+    started = Watched(coordinator)
+    try:
+        wait_for(lambda: store.profile() is not None, 60, "the coordinator to say which model it plans for")
+        f = Watched(worker).wait(timeout=180)
+    finally:
+        watch.stop()
+        started.popen.terminate()
+        started.wait(timeout=30)
+    assert f.returncode == 1
+    line = f.error_line()
+    assert "other-model.json was measured on another model" in line and "hidden_size 256 (this worker: 128)" in line
+    assert registered and f.ended_at - registered[0] < FAILURE_BUDGET_S, registered
+    assert_nothing_left([f], job)

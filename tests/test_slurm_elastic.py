@@ -38,15 +38,15 @@ PRIO_NODES = 2
 START_ITERATIONS = 5  # trained by four workers before the prio job comes
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
 
-# A layer profile of SMALL_GPT's shape on which more workers train faster: the coordinator
-# uses every worker it has (as tests/test_coordinator.py's).
+# A layer profile of SMALL_GPT's shape (the workers refuse another) on which more workers
+# train faster: the coordinator uses every worker it has (as tests/test_coordinator.py's).
 UNIT = {"forward_ms": 20.0, "backward_ms": 40.0, "optimizer_ms": 0.5, "activation_bytes": 1e6, "output_bytes": 1e5}
 PROFILE = {"format": "megatron-parcae-layer-profile", "version": 1, "model": "small", "device": "test",
            "micro_batch_size": 2, "global_batch_size": GLOBAL_BATCH, "gpu_memory_bytes": 1e9,
            "link_bytes_per_second": 1.25e9, "tensor_parallel_bytes_per_second": 1e11, "max_tensor_parallel": 1,
            "memory_bytes_per_param": 16, "gradient_bytes_per_param": 2,
            "model_shape": {"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
-                           "ffn_hidden_size": 256, "vocab_size": 128, "max_position_embeddings": 32},
+                           "ffn_hidden_size": 256, "vocab_size": 384, "max_position_embeddings": 32},
            "embedding": UNIT, "layers": [UNIT] * 4, "head": UNIT}
 
 

@@ -81,6 +81,7 @@ from megatron_parcae.control.etcd.keys import (
     CoordinatorState,
     MemberRecord,
     NoticeRecord,
+    ProfileRecord,
 )
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
@@ -237,6 +238,9 @@ class Coordinator:
         self._config = config
         self._optimizer = optimizer
         self._interval = optimizer.interval
+        # A layer profile was measured on one model (a throughput table names one only).
+        self._profile = ProfileRecord(config.profile.name, optimizer.costs.shape.to_dict()) \
+            if config.profile.suffix.lower() == ".json" else None
         self._leadership = Leadership(store.client, store.keys.job, candidate, config.lease_seconds)
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -329,12 +333,14 @@ class Coordinator:
     # -- state kept in etcd --------------------------------------------------------
 
     def _resume(self) -> None:
-        """Load the availability history and admitted workers; rebuild the forecaster."""
+        """Say which model the profile describes; load the availability history and admitted
+        workers; rebuild the forecaster."""
         try:
             state = self._store.coordinator_state()
         except SchemaError as exc:
             log.error("%s; starting a new availability history", exc)
             state = None
+        self._store.publish_profile(self._profile, self._leadership.guard())
         self._forecaster = make_forecaster(self._config.forecaster, self._interval)
         self._history.clear()
         self._forecast = None

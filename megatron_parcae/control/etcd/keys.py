@@ -286,6 +286,18 @@ _DECISION_SCHEMA = {
 
 
 @dataclass(frozen=True)
+class ProfileRecord(Record):
+    """The model the coordinator's layer profile was measured on (`ModelShape.to_dict()`):
+    a worker training another model refuses the job's plans, which would be priced and
+    shaped for the wrong model."""
+
+    source: str  # the profile's file name, for the message
+    model: dict
+
+    SCHEMA = {"source": Field(str, 1, 255), "model": Field(dict, 1, 32)}
+
+
+@dataclass(frozen=True)
 class CoordinatorState(Record):
     """What a restarted coordinator needs beyond the newest plan.
 
@@ -434,6 +446,10 @@ class JobKeys:
     @property
     def leader(self) -> str:
         return self.prefix + "leader"
+
+    @property
+    def profile(self) -> str:
+        return self.prefix + "profile"
 
     @property
     def coordinator(self) -> str:
@@ -632,3 +648,13 @@ class JobStore:
     def save_coordinator_state(self, state: CoordinatorState, guard: Sequence[Compare]) -> bool:
         """Write the coordinator's record if every condition of `guard` holds (its leader lease)."""
         return self.client.txn(list(guard), [Put(self.keys.coordinator, state.encode())]).succeeded
+
+    def profile(self) -> ProfileRecord | None:
+        """The model the leading coordinator's profile describes; None if it has no layer profile."""
+        kv = self.client.get(self.keys.profile)
+        return None if kv is None else ProfileRecord.decode(kv.value, kv.key)
+
+    def publish_profile(self, record: ProfileRecord | None, guard: Sequence[Compare]) -> bool:
+        """Say which model the coordinator plans for (None: it cannot tell, a throughput table)."""
+        op = Delete(self.keys.profile) if record is None else Put(self.keys.profile, record.encode())
+        return self.client.txn(list(guard), [op]).succeeded

@@ -41,6 +41,7 @@ workers need no address but etcd's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -54,7 +55,8 @@ from megatron_parcae.training import checkpointing
 from megatron_parcae.training.device import collective_timeout, prepare_device
 from megatron_parcae.control.agent import ParcaeAgent
 from megatron_parcae.control.etcd.client import EtcdClient, EtcdGone, EtcdUnavailable
-from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, DoneRecord, JobStore, PlanEnvelope, SchemaError
+from megatron_parcae.control.etcd.keys import (SAVE_AND_EXIT, DoneRecord, JobStore, PlanEnvelope, ProfileRecord,
+                                               SchemaError)
 from megatron_parcae.control.etcd.store import EtcdStore
 from megatron_parcae.control.notices import build_watcher
 from megatron_parcae.training.progress import Progress
@@ -121,6 +123,7 @@ class LiveReconfiguration:
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
         self.before_change = before_change  # complete what needs this WORLD (a save in flight)
+        self._profile_checked: ProfileRecord | None = None
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -287,6 +290,7 @@ class LiveReconfiguration:
                 return None, consumed_samples
             if time.monotonic() >= next_done_check:
                 try:
+                    self._check_profile()
                     if self.store.done() is not None:
                         return None, consumed_samples
                 except EtcdUnavailable:
@@ -330,8 +334,27 @@ class LiveReconfiguration:
                                "this worker fell too far behind")
         return envelope
 
+    def _check_profile(self) -> None:
+        """Refuse a coordinator whose layer profile was measured on another model: its
+        plans would be shaped and priced for that one."""
+        try:
+            record = self.store.profile()
+            theirs = None if record is None else ModelShape.from_dict(record.model)
+        except (SchemaError, ValueError) as exc:
+            raise LiveJobError(f"the coordinator's profile record is unreadable: {exc}") from None
+        if record is None or record == self._profile_checked:
+            return
+        differ = [f"{f.name} {getattr(theirs, f.name)} (this worker: {getattr(self.shape, f.name)})"
+                  for f in dataclasses.fields(ModelShape) if getattr(theirs, f.name) != getattr(self.shape, f.name)]
+        if differ:
+            raise LiveJobError(f"the coordinator's profile {record.source} was measured on another model than this "
+                               f"worker trains: {'; '.join(differ)}. Give the coordinator a profile of this model "
+                               "(`parcae profile -- <this run's model flags>`)")
+        self._profile_checked = record
+
     def _apply(self, envelope: PlanEnvelope, runtime: Runtime | HeldState | None,
                consumed_samples: int) -> tuple[Runtime | None, int]:
+        self._etcd("read the coordinator's profile", self._check_profile)
         if envelope.action == SAVE_AND_EXIT:
             return self._save_and_exit(envelope.generation, runtime, consumed_samples)
         layout = Layout.from_dict(envelope.layout)
