@@ -43,8 +43,15 @@ def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path):
                                      "--save", str(save), "--save-interval", str(ITERS)],
                                     tmp_path / f"worker-{w}.log") for w in (0, 1)]
             processes += workers
-            wait_for(lambda: max((r.iteration for r in store.step_reports().values()), default=0) >= 3, 180,
-                     "3 iterations")
+            def settled() -> bool:  # both train in the current layout: no change is in flight
+                generation = store.current_generation()
+                plan = store.plan(generation) if generation else None
+                members = store.members()
+                return plan is not None and set(plan.layout["slots"]) == {0, 1} \
+                    and all(m.generation == generation for m in members.values()) \
+                    and max((r.iteration for r in store.step_reports().values()), default=0) >= 3
+
+            wait_for(settled, 180, "both workers to train in one layout")
         server.stop()
         workers[0].send_signal(signal.SIGTERM)
         for w, p in enumerate(workers):  # within the grace period, and the few seconds an exit takes
