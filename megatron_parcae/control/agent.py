@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 
-from megatron_parcae.control.etcd.client import EtcdClient, EtcdError, KeptLease, Watch
+from megatron_parcae.control.etcd.client import EtcdClient, EtcdError, KeptLease, WatchEvent
 from megatron_parcae.control.etcd.keys import (
     JobStore,
     MemberRecord,
@@ -49,7 +49,8 @@ from megatron_parcae.control.notices import NoticeWatcher
 
 log = logging.getLogger(__name__)
 
-REPORT_INTERVAL_S = 1.0  # step reports are averaged and published at most this often
+REPORT_INTERVAL_S = 1.0  # step reports are averaged and published at most this often (see `report_step`)
+REPORTS_PER_SECOND = 200  # step reports a whole job publishes per second, at most about (see `report_step`)
 FENCED_EXIT = 3  # the exit code of a training process the job dropped (see `ParcaeAgent.fenced`)
 
 
@@ -97,6 +98,76 @@ def default_instance() -> str:
     return f"{socket.gethostname()}-{launcher}"
 
 
+class _PlanFeed:
+    """The watch on one job's plans, shared by the agents of a process that use one etcd
+    client: it hands each published plan to all of them, so that a process running many
+    agents (tests, benchmarks/control_plane.py) holds one watch and decodes each plan
+    once, not one of each per agent."""
+
+    _feeds: dict[tuple[int, str], _PlanFeed] = {}  # by (id of the client, job)
+    _feeds_lock = threading.Lock()
+
+    def __init__(self, store: JobStore) -> None:
+        self._store = store
+        self._agents: set[ParcaeAgent] = set()
+        self._watch = store.client.watch(store.keys.plans, lambda events: self._deliver(events, self.agents()),
+                                         prefix=True)
+
+    @classmethod
+    def join(cls, agent: ParcaeAgent) -> _PlanFeed:
+        """Hand plans to `agent` from now on, and at once the current one if the agent
+        registered before it was published."""
+        key = (id(agent._client), agent._store.keys.job)
+        with cls._feeds_lock:
+            feed = cls._feeds.get(key)
+            if feed is None:
+                feed = cls._feeds[key] = cls(agent._store)
+            feed._agents.add(agent)
+        feed._deliver([], [agent])
+        return feed
+
+    def leave(self, agent: ParcaeAgent) -> None:
+        """Stop handing plans to `agent`; the last agent to leave stops the watch."""
+        key = (id(agent._client), agent._store.keys.job)
+        with self._feeds_lock:
+            self._agents.discard(agent)
+            last = not self._agents and self._feeds.get(key) is self
+            if last:
+                del self._feeds[key]
+        if last:
+            self._watch.stop()
+
+    def agents(self) -> list[ParcaeAgent]:
+        with self._feeds_lock:
+            return list(self._agents)
+
+    def _deliver(self, events: list[WatchEvent], agents: list[ParcaeAgent]) -> None:
+        """Hand the published plans (in their watch events, so that no agent reads them back;
+        with none, as when the watch is (re)established, the current plan) to `agents`."""
+        if not agents:
+            return
+        try:
+            if events:
+                plans = [self._store.decode_plan(e.key, e.value) for e in events if e.value is not None]
+            else:
+                generation = self._store.current_generation()
+                if generation <= min(agent.generation for agent in agents):
+                    return
+                plan = self._store.plan(generation)
+                if plan is None:
+                    raise SchemaError(self._store.keys.plan(generation), "the current generation has no plan")
+                plans = [plan]
+        except SchemaError as exc:
+            for agent in agents:
+                agent._refuse(exc)
+            return
+        except EtcdError as exc:  # the watch calls again once it reconnects
+            log.warning("could not read the new plan of job %s: %s", self._store.keys.job, exc)
+            return
+        for agent in agents:
+            agent._offer(plans)
+
+
 class ParcaeAgent:
     """Membership, preemption notices, plan delivery and step reports of one process.
     `can_save` goes into its member record: the process writes checkpoints (--save)."""
@@ -127,7 +198,7 @@ class ParcaeAgent:
         self._wake = _Doorbell()
         self._stopping = threading.Event()
         self._lease: KeptLease | None = None
-        self._watch: Watch | None = None
+        self._feed: _PlanFeed | None = None
         self._thread: threading.Thread | None = None
         self._previous_sigterm = None
         self._current = 0  # generation this process runs: applied, or current when it joined
@@ -141,6 +212,7 @@ class ParcaeAgent:
         self._notices = notices
         self._steps = _StepWindow()
         self._last_report_at = -math.inf
+        self._report_interval = REPORT_INTERVAL_S
         self._progress: ProgressRecord | None = None  # the newest one not yet written
         self._progress_lock = threading.Lock()  # records are written one at a time, in order
         self.last_error: str | None = None
@@ -169,7 +241,7 @@ class ParcaeAgent:
             self._notices.start(lambda n: self.notify(f"{n.source}:{n.action}", n.deadline), self._stopping)
         self._thread = threading.Thread(target=self._run, name=f"parcae-agent {self.worker_id}", daemon=True)
         self._thread.start()
-        self._watch = self._client.watch(self._store.keys.generation, self._on_generation_change)
+        self._feed = _PlanFeed.join(self)
         log.info("worker %d joined job %s at generation %d", self.worker_id, self._store.keys.job, self._current)
 
     def _register(self, lease: int) -> int:
@@ -192,8 +264,8 @@ class ParcaeAgent:
         self._wake.ring()
         if self._thread is not None and self._client.unreachable_seconds == 0:  # else it is stuck in a call
             self._thread.join(timeout=2 * self._client.timeout)
-        if self._watch is not None:
-            self._watch.stop()
+        if self._feed is not None:
+            self._feed.leave(self)
         self._lease.revoke()
         if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_sigterm)
@@ -236,17 +308,23 @@ class ParcaeAgent:
         self._wake.ring()
 
     def report_step(self, iteration: int, seconds: float, consumed_samples: int) -> None:
-        """Record one measured iteration; averaged reports go to etcd about once a second."""
+        """Record one measured iteration; averaged reports go to etcd every REPORT_INTERVAL_S,
+        or less often in a layout of over REPORTS_PER_SECOND workers, and only from local
+        rank 0 (an instance's ranks step together): each report is a write that etcd keeps
+        until compacted, and a thousand workers reporting every second made most of its
+        writes (benchmarks/control_plane.py)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"step time must be a positive number of seconds, got {seconds}")
         if iteration < 0 or consumed_samples < 0:
             raise ValueError(f"iteration and consumed_samples must be >= 0, got {iteration}, {consumed_samples}")
+        if self._member.local_rank != 0:
+            return
         with self._lock:
             self._steps.seconds += seconds
             self._steps.count += 1
             self._steps.iteration = iteration
             self._steps.consumed_samples = consumed_samples
-            due = time.monotonic() - self._last_report_at >= REPORT_INTERVAL_S
+            due = time.monotonic() - self._last_report_at >= self._report_interval
         if due:
             self._wake.ring()
 
@@ -320,25 +398,19 @@ class ParcaeAgent:
         self._fenced = True
         self._wake.ring()
 
-    def _on_generation_change(self, events: object) -> None:
-        """Watch thread: fetch the plan of a newer generation and keep it for the loop."""
-        try:
-            generation = self._store.current_generation()
-            if generation <= self.generation:
-                return
-            plan = self._store.plan(generation)
-            if plan is None:
-                raise SchemaError(self._store.keys.plan(generation), "the current generation has no plan")
-        except SchemaError as exc:
-            self.last_error = str(exc)
-            log.error("worker %d ignores a plan: %s", self.worker_id, exc)
-            return
-        except EtcdError as exc:  # the watch calls again once it reconnects
-            log.warning("worker %d could not read the new plan: %s", self.worker_id, exc)
-            return
+    def _offer(self, plans: list[PlanEnvelope]) -> None:
+        """Plans from the feed's watch thread: keep the newest one newer than this process's
+        generation, and space step reports for the size of its layout."""
         with self._lock:
-            if plan.generation > self._current and (self._pending is None or plan.generation > self._pending.generation):
-                self._pending = plan
+            for plan in plans:
+                if plan.generation > self._current and (self._pending is None
+                                                        or plan.generation > self._pending.generation):
+                    self._pending = plan
+                    self._report_interval = max(REPORT_INTERVAL_S, len(plan.layout["slots"]) / REPORTS_PER_SECOND)
+
+    def _refuse(self, error: SchemaError) -> None:
+        self.last_error = str(error)
+        log.error("worker %d ignores a plan: %s", self.worker_id, error)
 
     def _run(self) -> None:
         """Agent thread: publishes the notice, acknowledgements and step reports."""
@@ -368,7 +440,7 @@ class ParcaeAgent:
                 self._member_dirty = self._member is not member
         with self._lock:
             report = None
-            if self._steps.count and time.monotonic() - self._last_report_at >= REPORT_INTERVAL_S:
+            if self._steps.count and time.monotonic() - self._last_report_at >= self._report_interval:
                 w = self._steps
                 report = StepReport(self.worker_id, self._current, w.iteration, w.seconds / w.count, w.count, w.consumed_samples, time.time())
                 self._steps = _StepWindow()

@@ -93,6 +93,7 @@ from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement
 log = logging.getLogger("parcae.coordinator")
 
 NOTICE_BATCH_SECONDS = 1.0  # how long a forced change waits for the rest of a batch of notices (at most)
+MAX_REST_SECONDS = 0.25  # the longest rest after a reconcile (see Coordinator._lead)
 
 
 class ConfigError(ValueError):
@@ -300,9 +301,15 @@ class Coordinator:
         return "" if leader is None else f"{leader.candidate} (pid {leader.pid})"
 
     def _lead(self) -> None:
+        """Reconcile when woken, at a batch's end or an interval boundary, and at least
+        every third of a lease period. After each reconcile rest as long as it took (up to
+        MAX_REST_SECONDS): each one reads every member, and while a thousand workers
+        register or acknowledge a plan, back-to-back reconciles would take a whole core
+        from the etcd and workers beside the coordinator; a decision waits at most that long."""
         self._resumed = False
         while not self._stopping.is_set() and self._leadership.is_leader:
             self._wake.clear()
+            started = time.monotonic()
             try:
                 if not self._resumed:
                     self._resume()
@@ -317,6 +324,7 @@ class Coordinator:
                 log.warning("etcd: %s; retrying", exc)
                 self._stopping.wait(1.0)
                 continue
+            self._stopping.wait(min(time.monotonic() - started, MAX_REST_SECONDS))
             until_boundary = self._boundary_at + self._interval - time.time() if self._resumed else 1.0
             wait = min(until_boundary, self._config.lease_seconds / 3)
             if self._batch_until > time.monotonic():
@@ -502,7 +510,7 @@ class Coordinator:
         members = self._store.members()
         view = self._view(generation, current, members, now)
         boundary = self._close_intervals(view.available, now)
-        batching = self._batching(view.leaving)
+        batching = self._batching(view)
         if current is None and len(view.available) < self._config.min_workers:
             self._warn_once(f"waiting for {self._config.min_workers} workers before "
                             f"{'resuming from the checkpoint' if saved else 'the first plan'} "
@@ -553,11 +561,21 @@ class Coordinator:
         if boundary:
             self._save()
 
-    def _batching(self, leaving: frozenset[int]) -> bool:
-        """Whether a worker was first seen leaving too recently to act: the rest of its
-        batch of notices may be on its way."""
+    def _batching(self, view: MemberView) -> bool:
+        """Whether a worker's instance got its notice too recently to act: the rest of its
+        batch of notices may be on its way. The wait counts from when the notice came (by
+        the wall clocks deadlines rely on already), not from when this coordinator saw it:
+        seeing it takes a reconcile, a long one with a thousand workers. A worker leaving
+        without a notice on its instance counts from when it was first seen leaving."""
         clock = time.monotonic()
-        self._noticed_at = {w: self._noticed_at.get(w, clock) for w in leaving}
+        came: dict[str, float] = {}  # by instance, on this clock
+        if view.leaving - self._noticed_at.keys():
+            now = time.time()
+            for worker, notice in self._store.notices().items():
+                instance = view.placement.instance(worker)
+                came[instance] = min(came.get(instance, clock), clock - max(0.0, now - notice.received_at))
+        self._noticed_at = {w: self._noticed_at.get(w, came.get(view.placement.instance(w), clock))
+                            for w in view.leaving}
         self._batch_until = max(self._noticed_at.values(), default=0.0) + self._batch_seconds
         return clock < self._batch_until
 
