@@ -18,11 +18,13 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 PROFILE = REPO / "configs/profiles/gpt-tiny-cpu.json"
 
 
-def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path):
-    """etcd stops while two workers train and one of them is noticed: the workers agree to
-    save and leave within the notice's grace period, the coordinator gives up after the
-    outage bound; each says why and exits with an error."""
-    outage_s, grace_s = 24, 16  # half the grace period is left for a boundary and the save
+@pytest.mark.parametrize("noticed", [True, False], ids=["notice", "no-notice"])
+def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path, noticed):
+    """etcd stops while two workers train. With a notice to one of them, the workers agree
+    to save and leave within its grace period; without, once the outage bound is past. The
+    coordinator gives up after the bound; each says why and exits with an error."""
+    outage_s, grace_s = (24, 16) if noticed else (12, 16)  # half the grace is left for a boundary and the save
+    iters = ITERS if noticed else 1000  # without a notice, training must outlast the bound
     server = EtcdServer().start()
     processes: list[subprocess.Popen] = []
     try:
@@ -40,7 +42,7 @@ def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path):
                                      "--parcae-etcd", server.endpoint, "--parcae-job", "outage",
                                      "--parcae-worker-id", str(w), "--parcae-grace-seconds", str(grace_s),
                                      "--parcae-lease-seconds", "5", "--parcae-etcd-outage-seconds", str(outage_s),
-                                     "--save", str(save), "--save-interval", str(ITERS)],
+                                     "--train-iters", str(iters), "--save", str(save), "--save-interval", str(ITERS)],
                                     tmp_path / f"worker-{w}.log") for w in (0, 1)]
             processes += workers
             def settled() -> bool:  # both train in the current layout: no change is in flight
@@ -53,9 +55,10 @@ def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path):
 
             wait_for(settled, 180, "both workers to train in one layout")
         server.stop()
-        workers[0].send_signal(signal.SIGTERM)
-        for w, p in enumerate(workers):  # within the grace period, and the few seconds an exit takes
-            assert p.wait(timeout=grace_s + 5) == 1
+        if noticed:
+            workers[0].send_signal(signal.SIGTERM)
+        for w, p in enumerate(workers):  # within the grace period or bound, and the seconds a boundary and exit take
+            assert p.wait(timeout=grace_s + 5 if noticed else outage_s + 15) == 1
             log = (tmp_path / f"worker-{w}.log").read_text()
             assert "etcd" in log and "stops:" in log and "saved iteration" in log, log[-2000:]
         assert coordinator.wait(timeout=outage_s + 30) == 1
@@ -63,7 +66,7 @@ def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path):
         assert f"more than the outage bound of {outage_s:g} s" in log, log[-2000:]
         # the checkpoint holds the iteration they stopped at: nothing trained is lost
         _, progress = read_progress(str(save))
-        assert 3 <= progress["iteration"] < ITERS
+        assert 3 <= progress["iteration"] < iters
     finally:
         for p in processes:
             if p.poll() is None:

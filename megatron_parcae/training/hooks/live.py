@@ -139,7 +139,7 @@ class LiveReconfiguration:
         if self._last_boundary is not None:
             self.agent.report_step(consumed_samples // self.samples_per_iteration, now - self._last_boundary,
                                    consumed_samples)
-        self._check_membership()
+        self._check_fenced()  # an etcd gone past the bound is agreed on below, to save first
         pending = self.agent.pending_plan()
         agreed = planes.control_tensor([pending.generation if pending is not None else self.generation,
                                         int(self._cut_off() is not None)])
@@ -200,11 +200,14 @@ class LiveReconfiguration:
                     raise LiveJobError(f"worker {self.world.worker} could not {what}: {exc}") from None
                 time.sleep(STANDBY_POLL_SECONDS)
 
-    def _check_membership(self) -> None:
-        """Raise if this worker cannot go on: fenced, or etcd gone for longer than the bound."""
+    def _check_fenced(self) -> None:
         if self.agent.fenced:
             raise WorkerFenced(f"worker {self.world.worker} lost its membership in job {self.args.parcae_job} "
                                "(its lease expired or the coordinator dropped it); its state is no longer wanted")
+
+    def _check_membership(self) -> None:
+        """Raise if this worker cannot go on: fenced, or etcd gone for longer than the bound."""
+        self._check_fenced()
         try:
             self.store.client.check_reachable()
         except EtcdGone as exc:
@@ -214,9 +217,10 @@ class LiveReconfiguration:
         """Why this worker must stop without a plan, if it must: etcd is gone, or a notice
         has used half its grace period while etcd does not answer."""
         client = self.store.client
-        if client.unreachable_seconds > client.outage_seconds:
-            return f"etcd at {client.endpoint} has not answered for {client.unreachable_seconds:.0f} s " \
-                   f"(--parcae-etcd-outage-seconds {client.outage_seconds:g})"
+        try:
+            client.check_reachable()
+        except EtcdGone as exc:
+            return str(exc)
         deadline = self.agent.notice_deadline
         if deadline is not None and client.unreachable_seconds > 0 \
                 and deadline - time.time() <= self.args.parcae_grace_seconds / 2:
@@ -231,8 +235,7 @@ class LiveReconfiguration:
         why = self._cut_off() or "a peer of this layout is cut off from etcd"
         saved = "steps since the last checkpoint are lost (no --save)"
         if self.args.save:
-            if not self._checkpointed(progress.iteration):
-                checkpointing.Checkpointer(self.args.save, False, collective_timeout(self.args)).save(runtime, progress)
+            self._save_now(runtime, progress)
             saved = f"saved iteration {progress.iteration} under {self.args.save}"
         release_runtime(runtime)
         raise LiveJobError(f"worker {self.world.worker} stops: {why}; {saved}")
@@ -290,7 +293,8 @@ class LiveReconfiguration:
                 return None, consumed_samples
             if time.monotonic() >= next_done_check:
                 try:
-                    self._check_profile()
+                    if self._profile_checked is None:  # afterwards each plan checks it (_apply)
+                        self._check_profile()
                     if self.store.done() is not None:
                         return None, consumed_samples
                 except EtcdUnavailable:
@@ -393,13 +397,18 @@ class LiveReconfiguration:
                                "leaving), but this worker runs without --save: the steps trained since the last "
                                "checkpoint are lost")
         progress = Progress.at(consumed_samples, self.samples_per_iteration)
-        if not self._checkpointed(progress.iteration):
-            checkpointing.Checkpointer(self.args.save, False, collective_timeout(self.args)).save(runtime, progress)
+        self._save_now(runtime, progress)
         release_runtime(runtime)
         self.world.leave()
         print(f" worker {self.world.worker}: generation {generation} saved the job at iteration {progress.iteration}; "
               "leaving its layout", flush=True)
         return None, consumed_samples
+
+    def _save_now(self, runtime: Runtime, progress: Progress) -> None:
+        """A synchronous checkpoint of this iteration under --save, unless the newest is of it
+        (collective)."""
+        if not self._checkpointed(progress.iteration):
+            checkpointing.Checkpointer(self.args.save, False, collective_timeout(self.args)).save(runtime, progress)
 
     def _checkpointed(self, iteration: int) -> bool:
         """Whether the newest checkpoint under --save is of `iteration` (collective): rank 0,
