@@ -222,6 +222,7 @@ class MemberView:
     broken: frozenset[int]  # in the layout and available, but the layout's WORLD broke under them
     state_kept: bool  # every broken worker still holds its state of the layout
     placement: Placement  # the instances of the members (and of the layout's lost workers)
+    notices: dict[int, NoticeRecord]  # of the members
 
 
 class Coordinator:
@@ -444,7 +445,7 @@ class Coordinator:
         leaving = (noticed - expired - restarted) & in_layout
         broken = frozenset(w for w in in_layout & available if members[w].broken == generation)
         return MemberView(available, leaving, in_layout - available - leaving, restarted, broken,
-                          all(members[w].state_kept for w in broken), placement)
+                          all(members[w].state_kept for w in broken), placement, notices)
 
     def _expired(self, notices: dict[int, NoticeRecord], placement: Placement, now: float) -> frozenset[int]:
         """Noticed workers that can no longer send state: the deadline passed and their
@@ -571,7 +572,7 @@ class Coordinator:
         came: dict[str, float] = {}  # by instance, on this clock
         if view.leaving - self._noticed_at.keys():
             now = time.time()
-            for worker, notice in self._store.notices().items():
+            for worker, notice in view.notices.items():
                 instance = view.placement.instance(worker)
                 came[instance] = min(came.get(instance, clock), clock - max(0.0, now - notice.received_at))
         self._noticed_at = {w: self._noticed_at.get(w, came.get(view.placement.instance(w), clock))
