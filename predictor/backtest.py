@@ -13,6 +13,12 @@ feeds it, and forecasts the next ``horizon`` intervals after every interval once
 - ``preemptions_ratio`` / ``arrivals_ratio``: expected events summed over all forecasts
   divided by the events that happened (1.0 is unbiased; null when none happened);
 - ``seconds_per_update``: mean wall time of one ``observe`` + ``forecast``.
+
+With ``--rates`` it also walks the rate models of ``predictor.rates`` (seasonal: by hour
+of day; constant) forward through the trace: every ``refit_seconds`` of trace (3 h, which
+keeps the Prophet fits of a 270-hour trace to about 150) each model is fitted on all the
+intervals so far and scores the ones up to the next refit by the Poisson log-likelihood
+of their preemptions and arrivals; the higher total wins.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ from typing import Any
 import numpy as np
 
 from predictor.forecast import FORECASTERS, make_forecaster
+from predictor.rates import RATE_MODELS, IntervalEvents
 from predictor.traces import AvailabilityTrace
 
-__all__ = ["BacktestResult", "backtest", "add_arguments", "run"]
+__all__ = ["BacktestResult", "RateScore", "backtest", "backtest_rates", "add_arguments", "run"]
 
 
 @dataclass
@@ -118,6 +125,41 @@ def _backtest_one(
     )
 
 
+@dataclass
+class RateScore:
+    log_likelihood: float  # preemptions and arrivals together, summed over the scored intervals
+    per_interval: float
+    preemptions: float
+    arrivals: float
+    intervals: int
+
+
+def backtest_rates(trace: AvailabilityTrace, warmup: int, refit_seconds: float = 3 * 3600.0) -> dict[str, RateScore]:
+    """Walk each rate model forward through an evenly resampled ``trace``, scoring every
+    interval after the first ``warmup`` (see the module docstring)."""
+    events = IntervalEvents.from_trace(trace)
+    if not 1 <= warmup < len(events):
+        raise ValueError(f"{trace.source}: a warm-up of {warmup} leaves none of its {len(events)} intervals to score")
+    refit = max(int(round(refit_seconds / trace.interval_seconds)), 1)
+    models = [model_class(trace.interval_seconds) for model_class in RATE_MODELS]
+    totals = np.zeros((len(models), 2))
+    for begin in range(warmup, len(events), refit):
+        history, scored = events.window(0, begin), events.window(begin, begin + refit)
+        for row, model in enumerate(models):
+            totals[row] += [float(values.sum()) for values in model.fit(history).log_likelihood(scored)]
+    intervals = len(events) - warmup
+    return {
+        model.name: RateScore(
+            log_likelihood=round(float(total.sum()), 3),
+            per_interval=round(float(total.sum()) / intervals, 5),
+            preemptions=round(float(total[0]), 3),
+            arrivals=round(float(total[1]), 3),
+            intervals=intervals,
+        )
+        for model, total in zip(models, totals)
+    }
+
+
 def _events_after(events: np.ndarray, first: int, last: int, horizon: int) -> int:
     """Events inside the forecast windows of origins first..last, counted once per window."""
     cumulative = np.concatenate(([0], np.cumsum(events)))
@@ -143,6 +185,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--forecasters", default=",".join(FORECASTERS),
         help=f"comma-separated forecasters to test (default: all of {','.join(FORECASTERS)})",
     )
+    parser.add_argument(
+        "--rates", action="store_true",
+        help="also score a seasonal (hour-of-day) and a constant rate model of preemptions and arrivals",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -164,15 +210,46 @@ def run(args: argparse.Namespace) -> int:
             trace = trace.cut(start, end)
         trace = trace.resample(args.interval)
         results = backtest(trace, names, args.horizon, args.warmup)
+        warmup = 2 * args.horizon if args.warmup is None else args.warmup
+        rates = backtest_rates(trace, warmup) if args.rates else None
     except ValueError as exc:  # TraceFormatError included: file:line: reason
         print(f"parcae forecast: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"default": "default" if "default" in results else names[0],
-                          "forecasters": {name: _json_fields(result) for name, result in results.items()}}, indent=2))
+        report = {"default": "default" if "default" in results else names[0],
+                  "forecasters": {name: _json_fields(result) for name, result in results.items()}}
+        if rates is not None:
+            report["rates"] = {"winner": _rate_winner(rates), **{name: asdict(score) for name, score in rates.items()}}
+        print(json.dumps(report, indent=2))
     else:
         print(_table(trace, args.horizon, results))
+        if rates is not None:
+            print(_rates_table(rates))
     return 0
+
+
+def _rate_winner(rates: dict[str, RateScore]) -> str:
+    """The model with the higher log-likelihood; "tie" when they agree to 0.001."""
+    seasonal, constant = rates["seasonal"].log_likelihood, rates["constant"].log_likelihood
+    if abs(seasonal - constant) < 1e-3:
+        return "tie"
+    return "seasonal" if seasonal > constant else "constant"
+
+
+def _rates_table(rates: dict[str, RateScore]) -> str:
+    intervals = next(iter(rates.values())).intervals
+    lines = [
+        f"rate models, Poisson log-likelihood of {intervals} intervals' preemptions and arrivals (walk-forward):",
+        f"{'model':<16}{'total':>12}{'per interval':>14}{'preemptions':>13}{'arrivals':>11}",
+    ]
+    for name, score in rates.items():
+        lines.append(f"{name:<16}{score.log_likelihood:>12.2f}{score.per_interval:>14.4f}"
+                     f"{score.preemptions:>13.2f}{score.arrivals:>11.2f}")
+    winner = _rate_winner(rates)
+    margin = abs(rates["seasonal"].log_likelihood - rates["constant"].log_likelihood)
+    by = f", by {margin:.2f} ({margin / intervals:.4f} per interval)" if winner != "tie" else ""
+    lines.append(f"winner: {winner}{by}")
+    return "\n".join(lines)
 
 
 def _json_fields(result: BacktestResult) -> dict:

@@ -450,7 +450,7 @@ class ProphetForecaster(Forecaster):
         self._max_fit_points = max_fit_points
         self._change: np.ndarray | None = None  # predicted level, from the fit's origin on
         self._fitted_at = -1
-        self._prophet_class = _prophet()  # import now, not inside the first timed update
+        self._prophet_class = prophet_class()  # import now, not inside the first timed update
         super().__init__(interval_seconds, **options)
 
     def _history_needed(self, intervals: int) -> int:
@@ -493,7 +493,7 @@ class ProphetForecaster(Forecaster):
         return np.maximum(last + change, 0.0)
 
 
-_PROPHET_EPOCH = np.datetime64("2000-01-01T00:00:00")
+PROPHET_EPOCH = np.datetime64("2000-01-01T00:00:00")
 
 
 def _prophet_level(
@@ -503,7 +503,7 @@ def _prophet_level(
     import pandas as pd
 
     def stamps(seconds: np.ndarray) -> np.ndarray:
-        return _PROPHET_EPOCH + np.round(seconds * 1000).astype("timedelta64[ms]")
+        return PROPHET_EPOCH + np.round(seconds * 1000).astype("timedelta64[ms]")
 
     model = prophet_class(
         uncertainty_samples=0,
@@ -518,7 +518,7 @@ def _prophet_level(
         return model.predict(pd.DataFrame({"ds": stamps(future)}))["yhat"].to_numpy()
 
 
-def _prophet() -> type:
+def prophet_class() -> type:
     """Import Prophet (about half a second the first time) with its chatter off."""
     logging.getLogger("prophet.plot").setLevel(logging.CRITICAL)  # "Importing plotly failed"
     from prophet import Prophet
