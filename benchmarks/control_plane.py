@@ -3,7 +3,7 @@
 and every agent acknowledging a plan within 5 s p99).
 
     python -m benchmarks.control_plane --instances 128 --json control_plane_128.json
-    python -m benchmarks.control_plane --instances 1024 --lease-seconds 30 --json control_plane_1024.json
+    python -m benchmarks.control_plane --instances 1024 --json control_plane_1024.json
 
 It starts a real etcd (`EtcdServer`), the `parcae coordinator` process (a GPT-1.5B layer
 profile, one GPU per instance, the workers' default grace period; interval 60 s), and N
@@ -31,11 +31,9 @@ requests per second (RPCs started, from its /metrics) and database size. Exits 1
 an agent failed to acknowledge a plan or the run failed; timings against the targets
 are printed, not enforced.
 
-The agents stand for a thousand machines on two cores, where each keep-alive of a lease
-costs 2 to 3 ms of CPU (`KeptLease` opens a gRPC stream and a thread for each): with the
-workers' default 10 s lease, 1,024 agents' keep-alives alone take most of a core, and
-during a plan's burst of acknowledgements some miss their lease and are fenced. Hence
-`--lease-seconds 30` at 1,024 here (it only delays noticing a kill).
+The agents stand for a thousand machines on two cores: the leases of an agent process
+are kept alive on its client's one keep-alive stream (etcd/keepalive.py), a request per
+lease every third of its TTL, so the workers' default 10 s lease holds at 1,024.
 
 `python -m benchmarks.control_plane host ...` is one agent process: JSON-lines commands
 on stdin, JSON-lines events on stdout (started by the benchmark, not by hand).

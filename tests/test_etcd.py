@@ -12,6 +12,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ from megatron_parcae.control.etcd import (
     EtcdServer,
     EtcdUnavailable,
     JobStore,
+    KeptLease,
+    LeaseExpired,
     Leadership,
     NotLeader,
     PlanEnvelope,
@@ -38,7 +41,7 @@ from megatron_parcae.control.etcd.keys import (
     ProgressRecord,
     StepReport,
 )
-from helpers import LEASE_S, envelope, first_layout, new_job, python_child
+from helpers import LEASE_S, envelope, first_layout, new_job, python_child, wait_for
 
 # -- schema through a real server -------------------------------------------------------
 
@@ -307,6 +310,52 @@ def test_stale_guard_fails_inside_the_transaction(client):
     second.resign()
 
 
+# -- lease keep-alives ---------------------------------------------------------------------
+
+
+def _keep_alive_rpcs(server: EtcdServer) -> tuple[int, int]:
+    """(LeaseKeepAlive streams started, keep-alives received) since etcd started, from its /metrics."""
+    with urllib.request.urlopen(f"http://{server.endpoint}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+
+    def counter(name: str) -> int:
+        prefix = f'{name}{{grpc_method="LeaseKeepAlive",'
+        return sum(int(float(line.rsplit(" ", 1)[1])) for line in lines if line.startswith(prefix))
+    return counter("grpc_server_started_total"), counter("grpc_server_msg_received_total")
+
+
+def _attach(client: EtcdClient, leases: list[KeptLease]) -> None:
+    """A key on each lease: LeaseExpired for one etcd no longer has."""
+    prefix = f"/parcae-test/{new_job()}/"
+    for lease in leases:
+        client.put(f"{prefix}{lease.id:x}", b"", lease=lease.id)
+
+
+def test_leases_of_a_client_share_one_keep_alive_stream_and_a_revoked_one_is_lost(etcd_server, client):
+    streams, _ = _keep_alive_rpcs(etcd_server)
+    first = KeptLease(client, LEASE_S)
+    wait_for(lambda: _keep_alive_rpcs(etcd_server)[0] > streams, 10, "the keep-alive stream to open")
+    threads, (streams, received) = threading.active_count(), _keep_alive_rpcs(etcd_server)
+    lost_on: list[str] = []
+    leases = [first] + [KeptLease(client, LEASE_S, on_lost=lambda: lost_on.append(threading.current_thread().name))
+                        for _ in range(49)]
+    time.sleep(1.5 * LEASE_S)  # longer than the leases: only keep-alives keep them
+    now_streams, now_received = _keep_alive_rpcs(etcd_server)
+    assert threading.active_count() <= threads  # no thread per lease
+    assert now_streams - streams <= 1  # none, or one re-opened after a stall on a busy machine
+    assert now_received - received >= 2 * len(leases)
+    assert not any(lease.lost for lease in leases)
+    _attach(client, leases)
+    client.revoke_lease(leases[1].id)  # as the coordinator fences a worker
+    wait_for(lambda: lost_on, 10, "the revoked lease to be reported lost")
+    assert lost_on == ["etcd-keep-alive"] and leases[1].lost  # told by the stream, once
+    assert not any(lease.lost for lease in leases[:1] + leases[2:])
+    for lease in leases:
+        lease.revoke()
+    with pytest.raises(LeaseExpired):
+        _attach(client, leases[-1:])
+
+
 # -- errors within 10 s --------------------------------------------------------------------
 
 
@@ -376,6 +425,18 @@ def test_server_restart_keeps_data_and_clients_reconnect(own_etcd):
     server.restart()
     assert server.pid != old_pid
     assert store.current_generation() == 1  # the same client, after the restart
+
+
+def test_keep_alive_stream_is_reopened_after_an_etcd_restart(own_etcd):
+    server, client = own_etcd
+    lost = threading.Event()
+    leases = [KeptLease(client, LEASE_S, on_lost=lost.set) for _ in range(3)]
+    server.restart()  # its /metrics count from the restart on
+    wait_for(lambda: _keep_alive_rpcs(server)[1] >= 2 * len(leases), 10, "keep-alives on a re-opened stream")
+    _attach(client, leases)
+    assert not lost.is_set() and not any(lease.lost for lease in leases) and client.unreachable_seconds == 0
+    for lease in leases:
+        lease.revoke()
 
 
 @pytest.mark.slow

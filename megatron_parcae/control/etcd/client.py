@@ -1,4 +1,4 @@
-"""A small etcd v3 client: the only module that talks gRPC to etcd.
+"""A small etcd v3 client: with keepalive.py, the only code that talks gRPC to etcd.
 
 It uses the protobuf messages and gRPC stubs shipped by the `etcd3` package but not its
 high-level client: that client sends the auth token as call credentials, which gRPC
@@ -42,6 +42,8 @@ except TypeError as exc:  # "Descriptors cannot be created directly"
         "with a C/upb backend before megatron_parcae.control.etcd. Import megatron_parcae.control.etcd "
         "first, set PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, or install 'protobuf<4'"
     ) from exc
+
+from megatron_parcae.control.etcd.keepalive import KeepAliveStream  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +257,7 @@ class EtcdClient:
         self._auth = etcdrpc.AuthStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] | None = None
         self._auth_lock = threading.Lock()
+        self._keep_alives = KeepAliveStream(self._open_keep_alives, self._answered, self._keep_alives_failed)
         try:
             self._connect()
             if user is not None:
@@ -419,8 +422,9 @@ class EtcdClient:
         return response.ID, response.TTL
 
     def refresh_lease(self, lease_id: int, timeout: float | None = None) -> int:
-        """Send one keep-alive (waiting `timeout` s, default the client's); return the
-        remaining TTL in seconds, 0 if the lease is gone."""
+        """Send one keep-alive on a stream of its own (waiting `timeout` s, default the
+        client's); return the remaining TTL in seconds, 0 if the lease is gone. `KeptLease`
+        uses the client's shared stream instead, and this only to check an overdue lease."""
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
         responses = self._lease.LeaseKeepAlive(iter([request]), timeout or self.timeout, metadata=self._metadata,
                                                wait_for_ready=True)
@@ -434,6 +438,23 @@ class EtcdClient:
             responses.cancel()
         self._answered()
         return ttl
+
+    def _open_keep_alives(self, requests: Iterator) -> Iterator:
+        return self._lease.LeaseKeepAlive(requests, metadata=self._metadata, wait_for_ready=True)
+
+    def _keep_alives_failed(self, exc: grpc.RpcError | None, waited: float) -> EtcdError:
+        """Count a failure of the keep-alive stream (`exc`, or no answer for `waited` s)
+        against the outage bound; re-authenticate if the token expired."""
+        if exc is None:
+            return self._failed(EtcdUnavailable(f"etcd lease keep-alive at {self.endpoint} failed: no answer within "
+                                                f"{waited:.1f} s; is etcd running there?"))
+        if self._user is not None and "invalid auth token" in (exc.details() or ""):
+            try:
+                with self._auth_lock:
+                    self._authenticate()
+            except EtcdError as error:
+                return self._failed(error)
+        return self._failed(self._error("lease keep-alive", exc))
 
     def revoke_lease(self, lease_id: int) -> bool:
         """Revoke a lease (its keys are deleted); False if it was already gone."""
@@ -457,6 +478,7 @@ class EtcdClient:
         return self._watch.Watch(requests, metadata=self._metadata, wait_for_ready=True)
 
     def close(self) -> None:
+        self._keep_alives.stop()
         self._channel.close()
 
     def __enter__(self) -> "EtcdClient":
@@ -530,15 +552,13 @@ class Watch:
 
 
 class KeptLease:
-    """A lease refreshed by a daemon thread every third of its TTL.
+    """A lease kept alive on its client's keep-alive stream (keepalive.py), one keep-alive
+    every third of its TTL.
 
     `lost` becomes true, for good, once etcd says the lease is gone (it expired while this
     process was stalled, or someone revoked it to fence the holder); `on_lost` is called
     once then, on whichever thread noticed. While etcd is merely unreachable the lease is
     not declared lost: etcd extends every lease when it comes back.
-
-    Each keep-alive waits at most a third of the TTL for its answer, so that one lost
-    or slow exchange (a busy machine, an etcd fsync) is retried before the lease runs out.
     """
 
     def __init__(self, client: EtcdClient, ttl_seconds: float, on_lost: Callable[[], None] | None = None) -> None:
@@ -548,62 +568,51 @@ class KeptLease:
         self._on_lost = on_lost
         self._valid_until = requested_at + self.ttl
         self._failed_at = -float("inf")
-        self._answered = True  # the last keep-alive was answered: the next is due in ttl/3, not sooner
         self._lost = False
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"etcd-lease {self.id:x}", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # guards _valid_until and _lost; never held while waiting for etcd
+        self._checking = threading.Lock()  # one check of an overdue lease at a time
+        client._keep_alives.add(self)
 
-    def _run(self) -> None:
-        while not self._stopped.wait(self.ttl / (3 if self._answered else 6)) and self.refresh():
-            pass
-
-    def refresh(self) -> bool:
-        """Send one keep-alive now; return False once the lease is known to be gone."""
+    def _keep_alive_answered(self, sent_at: float, ttl: int) -> None:
+        if ttl <= 0:
+            self._declare_lost()
+            return
         with self._lock:
-            return self._refresh_locked()
+            self._valid_until = max(self._valid_until, sent_at + ttl)
 
-    def _refresh_locked(self) -> bool:
-        if self._lost:
-            return False
-        sent = time.monotonic()
-        try:
-            ttl = self._client.refresh_lease(self.id, timeout=max(1.0, self.ttl / 3))
-        except EtcdError as exc:
-            if self._answered:  # once per outage: it is retried every few seconds
-                log.warning("lease %x keep-alive failed (retrying until etcd answers): %s", self.id, exc)
-            self._failed_at, self._answered = sent, False
-            return True
-        self._answered = True
-        if ttl > 0:
-            self._valid_until = sent + ttl
-            return True
-        self._lost = True
+    def _declare_lost(self) -> None:
+        with self._lock:
+            if self._lost:
+                return
+            self._lost = True
+        self._client._keep_alives.remove(self.id)
         if self._on_lost is not None:
             self._on_lost()
-        return False
 
     @property
     def lost(self) -> bool:
         """True once etcd confirmed the lease is gone; asks etcd itself when overdue.
 
         A process resumed after a stall longer than the TTL must not act on a stale view
-        before the keep-alive thread has answered, so an overdue lease is checked here,
-        after any keep-alive in flight (but not while etcd does not answer, or within a
-        third of the TTL of a failed attempt, so an etcd outage does not slow the caller down).
+        before the stream has answered, so an overdue lease is checked here, with a
+        keep-alive of its own (but not while etcd does not answer, or within a third of
+        the TTL of a failed check, so an etcd outage does not slow the caller down).
         """
         if not self._lost and time.monotonic() > self._valid_until and self._client.unreachable_seconds == 0:
-            with self._lock:
-                now = time.monotonic()
-                if now > self._valid_until and now - self._failed_at > self.ttl / 3:
-                    self._refresh_locked()
+            with self._checking:
+                sent = time.monotonic()
+                if not self._lost and sent > self._valid_until and sent - self._failed_at > self.ttl / 3:
+                    try:
+                        ttl = self._client.refresh_lease(self.id, timeout=max(1.0, self.ttl / 3))
+                    except EtcdError:
+                        self._failed_at = sent
+                    else:
+                        self._keep_alive_answered(sent, ttl)
         return self._lost
 
     def revoke(self) -> None:
-        """Stop refreshing and revoke the lease, deleting the keys attached to it."""
-        self._stopped.set()
-        self._thread.join(timeout=5)
+        """Stop the keep-alives and revoke the lease, deleting the keys attached to it."""
+        self._client._keep_alives.remove(self.id)
         with self._lock:
             if self._lost:
                 return
