@@ -20,10 +20,14 @@ bisection (more instances never slow training down in the profiles we read).
 The search stays short by bounding before simulating: the `ideal` policy (the best
 layout of every interval, free changes) trains at least as much as `parcae` and costs
 a table lookup per interval, so a cluster whose ideal misses the deadline is never
-simulated, and the bisection runs on ideals first. The fastest cluster of all (as many
-on-demand instances as the largest layout needs) answers an impossible question at
-once, with the hours it would take. Simulations stop once they reach the target, and
-those of one spot size share the forecasts of its trace.
+simulated, and the bisection runs on ideals first. As parcae finishes no sooner than
+the ideal, it pays no less: the cheapest ideal over a spot size's on-demand counts is a
+floor on what any of its candidates costs. Spot sizes are simulated cheapest floor
+first, and one whose floor is above the cheapest candidate found is ruled out unsimulated
+(it is listed with its floor): the answer is the one simulating every size would give.
+The fastest cluster of all (as many on-demand instances as the largest layout needs)
+answers an impossible question at once, with the hours it would take. Simulations stop
+once they reach the target, and those of one spot size share the forecasts of its trace.
 """
 
 from __future__ import annotations
@@ -68,6 +72,14 @@ class Candidate:
         return max(o.dollars for o in self.outcomes)
 
 
+@dataclass(frozen=True)
+class Floor:
+    """The least any candidate of `spot` spot instances can cost (worst case over the traces)."""
+
+    spot: int
+    dollars: float
+
+
 def cycled(trace: AvailabilityTrace, interval_seconds: float, intervals: int) -> Replay:
     """`intervals` intervals of the trace, replayed from its start again when it ends."""
     base = Replay.of(trace, interval_seconds)
@@ -81,21 +93,23 @@ def cycled(trace: AvailabilityTrace, interval_seconds: float, intervals: int) ->
     return Replay(interval_seconds, counts, arrivals, preemptions, 0, intervals)
 
 
-def outcome(sim: Simulation, samples: float, spot_price: float, on_demand_price: float,
-            policy: str = "parcae") -> Outcome:
-    run = sim.run(policy, until_samples=samples)
-    per_interval = np.array(run.rates) * sim.interval
+def outcome(rates: np.ndarray, replay: Replay, on_demand: int, samples: float, spot_price: float,
+            on_demand_price: float) -> Outcome:
+    """When a cluster reaches `samples`, training at `rates` (samples per second of each
+    interval from the replay's start, up to the one that reaches the target), and what its
+    spot and `on_demand` instances cost until then."""
+    per_interval = rates * replay.interval_seconds
     done = np.cumsum(per_interval)
-    hours = sim.interval / 3600
-    spot = sim.replay.counts[sim.replay.start:sim.replay.end].astype(float)
+    hours = replay.interval_seconds / 3600
+    spot = replay.counts[replay.start:replay.end].astype(float)
     if done[-1] < samples:
-        return Outcome(math.inf, float((spot.sum() * spot_price + sim.on_demand * len(spot) * on_demand_price) * hours))
+        return Outcome(math.inf, float((spot.sum() * spot_price + on_demand * len(spot) * on_demand_price) * hours))
     last = int(np.searchsorted(done, samples))  # the interval in which the target is reached
     before = done[last - 1] if last else 0.0
     fraction = (samples - before) / per_interval[last] if per_interval[last] else 1.0
     elapsed = last + fraction
     spot_hours = (spot[:last].sum() + fraction * spot[last]) * hours
-    return Outcome(elapsed * hours, float(spot_hours * spot_price + sim.on_demand * elapsed * hours * on_demand_price))
+    return Outcome(elapsed * hours, float(spot_hours * spot_price + on_demand * elapsed * hours * on_demand_price))
 
 
 class Sizer:
@@ -109,28 +123,53 @@ class Sizer:
         self.intervals = max(1, math.ceil(deadline_hours * 3600 / self.constants.interval_seconds))
         self.largest = -(-liveput.throughput.max_workers // liveput.gpus_per_instance)
         self._seen: dict[tuple[str, int, int], Candidate] = {}
-        self._replays: dict[tuple[int, int], tuple[Replay, ForecasterFeed]] = {}
+        self._replays: dict[tuple[int, int], Replay] = {}
+        self._feeds: dict[tuple[int, int], ForecasterFeed] = {}
+        self._best_rates: dict[int, float] = {}
 
-    def _replay(self, trace: int, spot: int) -> tuple[Replay, ForecasterFeed]:
-        """Trace `trace` scaled to `spot` instances over the deadline, and its forecasts."""
+    def _replay(self, trace: int, spot: int) -> Replay:
+        """Trace `trace` scaled to `spot` instances over the deadline."""
         if (trace, spot) not in self._replays:
             if spot:
                 replay = cycled(self.traces[trace].scale(spot), self.constants.interval_seconds, self.intervals)
             else:
                 none = np.zeros(self.intervals, dtype=np.int64)
                 replay = Replay(self.constants.interval_seconds, none, none, none, 0, self.intervals)
-            self._replays[trace, spot] = replay, ForecasterFeed(replay)
+            self._replays[trace, spot] = replay
         return self._replays[trace, spot]
+
+    def _feed(self, trace: int, spot: int) -> ForecasterFeed:
+        """The forecasts of `_replay(trace, spot)`, made only when a simulation asks for them."""
+        if (trace, spot) not in self._feeds:
+            self._feeds[trace, spot] = ForecasterFeed(self._replay(trace, spot))
+        return self._feeds[trace, spot]
+
+    def _best_rate(self, instances: int) -> float:
+        """Samples per second of the best layout on `instances` instances (`ideal`'s rate)."""
+        if instances not in self._best_rates:
+            best = self.liveput.throughput.best(instances * self.liveput.gpus_per_instance)
+            self._best_rates[instances] = 0.0 if best is None else self.liveput.throughput.samples_per_second(best)
+        return self._best_rates[instances]
+
+    def _rates(self, trace: int, spot: int, on_demand: int, policy: str) -> np.ndarray:
+        """Samples per second of each interval `policy` runs, until it reaches the target.
+        The ideal's depend only on each interval's instance count: a table lookup, not a
+        simulation."""
+        replay = self._replay(trace, spot)
+        if policy == "ideal":
+            counts = replay.counts[replay.start:replay.end] + on_demand
+            return np.array([self._best_rate(n) for n in range(int(counts.max()) + 1)])[counts]
+        sim = Simulation(replay, self.liveput, on_demand=on_demand, spot_price=self.spot_price,
+                         on_demand_price=self.on_demand_price, feed=self._feed(trace, spot))
+        return np.array(sim.run(policy, until_samples=self.samples).rates)
 
     def evaluate(self, spot: int, on_demand: int, policy: str = "parcae") -> Candidate:
         key = (policy, spot, on_demand)
         if key not in self._seen:
             outcomes = []
             for trace in range(len(self.traces)):
-                replay, feed = self._replay(trace, spot)
-                sim = Simulation(replay, self.liveput, on_demand=on_demand, spot_price=self.spot_price,
-                                 on_demand_price=self.on_demand_price, feed=feed)
-                outcomes.append(outcome(sim, self.samples, self.spot_price, self.on_demand_price, policy))
+                outcomes.append(outcome(self._rates(trace, spot, on_demand, policy), self._replay(trace, spot),
+                                        on_demand, self.samples, self.spot_price, self.on_demand_price))
                 if not math.isfinite(outcomes[-1].hours):
                     break  # it misses the deadline on this trace: the others do not matter
             self._seen[key] = Candidate(spot, on_demand, tuple(outcomes))
@@ -169,18 +208,32 @@ class Sizer:
     def fastest_rate(self) -> float:
         """Samples per second of the fastest cluster (on-demand instances for the largest
         layout, never preempted, at its best layout)."""
-        best = self.liveput.throughput.best(self.largest * self.liveput.gpus_per_instance)
-        return 0.0 if best is None else self.liveput.throughput.samples_per_second(best)
+        return self._best_rate(self.largest)
 
-    def search(self) -> list[Candidate]:
-        """The fewest-on-demand candidate of each spot size on the grid, cheapest first."""
+    def floor(self, spot: int, most: int) -> Floor | None:
+        """The least a cluster of `spot` spot and at most `most` on-demand instances can cost
+        if it finishes: at each on-demand count, parcae trains no more than the ideal in
+        any interval, so it finishes no sooner and pays no less. None when none finishes."""
+        ideals = (self.evaluate(spot, on_demand, "ideal") for on_demand in range(most + 1))
+        dollars = [c.dollars for c in ideals if math.isfinite(c.hours)]
+        return Floor(spot, min(dollars)) if dollars else None
+
+    def search(self) -> tuple[list[Candidate], list[Floor]]:
+        """The fewest-on-demand candidate of each spot size on the grid, cheapest first, and
+        the spot sizes left unsimulated because even their ideal costs more than a candidate
+        found (so the cheapest candidate is the same as if every size were simulated)."""
         step = max(1, math.ceil(self.largest / SPOT_GRID_STEPS))
-        found = []
-        for spot in sorted({0, *range(step, self.largest, step), self.largest}):
-            candidate = self.fewest_on_demand(spot, self.largest - spot)
+        spots = sorted({0, *range(step, self.largest, step), self.largest})
+        floors = [f for f in (self.floor(spot, self.largest - spot) for spot in spots) if f is not None]
+        found, ruled_out = [], []
+        for floor in sorted(floors, key=lambda f: (f.dollars, f.spot)):
+            if found and floor.dollars > min(c.dollars for c in found):
+                ruled_out.append(floor)
+                continue
+            candidate = self.fewest_on_demand(floor.spot, self.largest - floor.spot)
             if candidate is not None:
                 found.append(candidate)
-        return sorted(found, key=lambda c: (c.dollars, c.hours))
+        return sorted(found, key=lambda c: (c.dollars, c.hours)), ruled_out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -252,18 +305,23 @@ def run(args: argparse.Namespace) -> int:
     sizer = Sizer(traces, liveput, args.samples, args.deadline, args.spot_price, args.on_demand_price)
     if not sizer.possible():
         return _impossible(args, sizer)
-    candidates = sizer.search()
+    candidates, ruled_out = sizer.search()
     affordable = [c for c in candidates if args.budget is None or c.dollars <= args.budget]
     best = affordable[0] if affordable else None
     if args.json:
         print(json.dumps({"gpus_per_instance": gpus, "recommendation": None if best is None else _row(best),
-                          "candidates": [_row(c) for c in candidates]}, indent=1))
+                          "candidates": [_row(c) for c in candidates],
+                          "ruled_out": [{"spot": f.spot, "dollars_at_least": round(f.dollars, 2)} for f in ruled_out]},
+                         indent=1))
     else:
         print(f"{args.samples:g} samples of {liveput.throughput.model} within {args.deadline:g} h "
-              f"on {len(traces)} trace(s), instances of {gpus} GPU(s); cheapest way for each spot size:")
+              f"on {len(traces)} trace(s), instances of {gpus} GPU(s); cheapest way for each spot size simulated:")
         print(f"{'spot':>6}{'on-demand':>11}{'GPUs':>7}{'hours':>9}{'dollars':>10}")
         for c in candidates:
             print(f"{c.spot:>6}{c.on_demand:>11}{(c.spot + c.on_demand) * gpus:>7}{c.hours:>9.2f}{c.dollars:>10.2f}")
+        if ruled_out:
+            print("ruled out, as they cost more even ideally: "
+                  + ", ".join(f"{f.spot} spot >= ${f.dollars:.2f}" for f in sorted(ruled_out, key=lambda f: f.spot)))
         if best is not None:
             print(f"answer: {best.spot} spot + {best.on_demand} on-demand instances "
                   f"({(best.spot + best.on_demand) * gpus} GPUs), {best.hours:.2f} h, ${best.dollars:.2f} "
