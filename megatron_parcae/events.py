@@ -163,7 +163,25 @@ class PlanPublished(Event):
     instances: tuple[str, ...] = ()  # of the new layout's workers, by slot
 
 
-KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in (Iteration, Save, Load, LayoutChange, PlanPublished)}
+@dataclass(frozen=True)
+class ThroughputLearned(Event):
+    """At an interval boundary, what the coordinator now predicts for the running layout
+    after reading its workers' step reports: `intervals` boundaries have brought reports
+    of it so far, `reports` are kept; `prior_seconds` is the profile's prediction."""
+
+    NAME = "throughput_learned"
+    generation: int
+    tp: int
+    pp: int
+    dp: int
+    intervals: int
+    reports: int
+    predicted_seconds: float
+    prior_seconds: float
+
+
+KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in
+                                 (Iteration, Save, Load, LayoutChange, PlanPublished, ThroughputLearned)}
 _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
 TrainingEvent = Iteration | Save | Load | LayoutChange
 

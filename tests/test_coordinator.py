@@ -29,7 +29,9 @@ from megatron_parcae import cli
 from megatron_parcae.control.coordinator import ConfigError, Coordinator, CoordinatorConfig
 from megatron_parcae.control.etcd import JobStore, KeptLease, SchemaError
 from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, TRAIN, CoordinatorState, MemberRecord, NoticeRecord
+from megatron_parcae.control.etcd.keys import StepReport
 from megatron_parcae.control.status import collect, render
+from megatron_parcae.events import EventWriter, ThroughputLearned, read_events
 from reconfig.layout import Layout
 from reconfig.plan import MigrationPlan
 
@@ -187,6 +189,40 @@ def test_arrival_grows_the_layout_once_the_current_one_is_applied(job):
         plan = migration(store, 2)
         assert plan.request.joining == {3} and plan.request.survivors == {0, 1, 2}
         assert "workers [3] join" in decision(store, 2)["reason"]
+
+
+def test_step_reports_of_the_running_layout_correct_its_predicted_time(job):
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(2)]
+    config = CoordinatorConfig.load(write_config(tmp_path, **{"max-workers": 1, "interval-seconds": 1}))
+    events = tmp_path / "coordinator.events.jsonl"
+    optimizer = config.optimizer()
+    coordinator = Coordinator(store, config, optimizer, "learner", EventWriter(events))
+    thread = threading.Thread(target=coordinator.serve, daemon=True)
+    thread.start()
+    try:
+        first = wait_generation(store, 1)
+        layout, (running_worker,) = first.parallelism, first.workers
+        for worker in workers:
+            worker.acknowledge(1)
+        prior = 8 / optimizer.throughput.samples_per_second(layout)
+        for iteration, factor in enumerate((3.0, 3.2, 20.0), start=10):  # the median ignores the outlier
+            for worker in workers:  # the standby worker's reports do not measure the layout
+                seconds = factor * prior if worker.worker_id == running_worker else 50 * prior
+                report = StepReport(worker.worker_id, 1, iteration, seconds, 5, 8 * iteration, time.time())
+                assert store.report_step(report, worker.lease.id)
+            time.sleep(1.2)  # one interval boundary reads each report
+        stale = StepReport(running_worker, 0, 99, 100 * prior, 5, 0, time.time())  # another generation's
+        assert store.report_step(stale, workers[running_worker].lease.id)
+        time.sleep(1.2)
+    finally:
+        coordinator.stop()
+        thread.join(10)
+    learned = [e for e in read_events(events) if isinstance(e, ThroughputLearned)]
+    assert learned and learned[0].prior_seconds == pytest.approx(prior)
+    assert (learned[-1].tp, learned[-1].pp, learned[-1].dp) == (layout.tp, layout.pp, layout.dp)
+    assert learned[-1].reports == 3 and learned[-1].intervals == len(learned) == 3
+    assert learned[-1].predicted_seconds == pytest.approx(3.2 * prior)
 
 
 def test_instances_of_two_gpus_go_and_come_whole(job):

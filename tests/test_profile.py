@@ -35,3 +35,13 @@ def test_profile_refuses_a_parallel_layout(tiny_data, tmp_path):
     run = _profile(tmp_path, "--", "--config", "configs/gpt-tiny.yaml", "--tensor-model-parallel-size", "2")
     assert run.returncode == 2
     assert "--tensor-model-parallel-size" in run.stderr
+
+
+def test_analytic_profile_has_the_measured_ones_layouts_and_shape(tiny_data, tmp_path):
+    run = _profile(tmp_path, "--analytic", "--", "--config", "configs/gpt-tiny.yaml")
+    assert run.returncode == 0, run.stderr[-2000:]
+    analytic = PipelineModel.load(str(tmp_path / "p.json"), max_workers=6)
+    measured = PipelineModel.load(str(REPO / "configs/profiles/gpt-tiny-cpu.json"), max_workers=6)
+    assert analytic.model_shape == measured.model_shape
+    assert analytic.layouts() == measured.layouts()
+    assert "(analytic)" in json.loads((tmp_path / "p.json").read_text())["device"]

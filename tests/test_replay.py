@@ -54,6 +54,12 @@ def test_instances_of_two_processes_are_preempted_whole_and_train_the_uninterrup
     assert summary["preemptions"] >= 3 and summary["arrivals"] >= 1, summary["events"]
     assert max(e["instances"] for e in summary["events"]) == 3
     assert summary["lost_steps"] == 0 and [c["kind"] for c in summary["changes"]].count("restart") == 1
+    # Against the ideal at the throughput this run measured; changes in trace seconds too.
+    assert set(summary["samples_per_second"]) <= set(summary["seconds_per_layout"]), summary["samples_per_second"]
+    assert 0 < summary["samples"] <= summary["ideal_samples"] * 1.1, summary
+    assert summary["live_to_ideal"] == pytest.approx(summary["samples"] / summary["ideal_samples"], abs=0.002)
+    assert summary["mean_change_trace_seconds"] == pytest.approx(summary["mean_change_seconds"] * 40, abs=0.1)
+    assert summary["change_to_interval"] == pytest.approx(summary["mean_change_trace_seconds"] / 60, abs=0.002)
 
     plans = [e for e in read_events(tmp_path / "parcae" / "coordinator-1.events.jsonl") if isinstance(e, PlanPublished)]
     instance_of: dict[int, str] = {}

@@ -61,7 +61,7 @@ from typing import Any
 
 import yaml
 
-from megatron_parcae.events import EventWriter, PlanPublished
+from megatron_parcae.events import EventWriter, PlanPublished, ThroughputLearned
 from megatron_parcae.control.etcd import (
     EtcdClient,
     EtcdError,
@@ -85,6 +85,8 @@ from megatron_parcae.control.etcd.keys import (
 )
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
+from megatron_parcae.liveput.learned import ThroughputLearner
+from megatron_parcae.liveput.throughput import ThroughputModel
 from predictor.forecast import FORECASTERS, AvailabilityForecast, Forecaster, make_forecaster
 from reconfig.layout import Layout
 from reconfig.plan import MigrationPlan
@@ -172,15 +174,16 @@ class CoordinatorConfig:
             raise ConfigError(f"{where}: min-workers {config.min_workers} exceeds max-workers {config.max_workers}")
         return config
 
-    def optimizer(self) -> LiveputOptimizer:
-        """The liveput optimizer of this job, built as `parcae simulate` builds it (liveput/factory.py)."""
+    def optimizer(self, throughput: ThroughputModel | None = None) -> LiveputOptimizer:
+        """The liveput optimizer of this job, built as `parcae simulate` builds it
+        (liveput/factory.py), on the profile or on `throughput` learned from it."""
         constants = CostConstants.load(self.cost_constants)
         constants = dataclasses.replace(
             constants,
             interval_seconds=self.interval_seconds or constants.interval_seconds,
             grace_period_seconds=constants.grace_period_seconds if self.grace_seconds is None else self.grace_seconds,
         )
-        return build_liveput(self.profile, constants, model=self.model, max_workers=self.max_workers,
+        return build_liveput(throughput or self.profile, constants, model=self.model, max_workers=self.max_workers,
                              lookahead=self.lookahead, distributed_optimizer=self.distributed_optimizer,
                              gpus_per_instance=self.gpus_per_instance).optimizer()
 
@@ -239,6 +242,9 @@ class Coordinator:
         self._client: EtcdClient = store.client
         self._config = config
         self._optimizer = optimizer
+        self._learner = ThroughputLearner(optimizer.throughput)
+        self._reported: dict[int, tuple[int, int]] = {}  # worker -> (generation, iteration) last learned from
+        self._learned_intervals: dict[tuple[int, int, int], int] = {}  # (T, P, D) -> boundaries with reports
         self._interval = optimizer.interval
         # A layer profile was measured on one model (a throughput table names one only).
         self._profile = ProfileRecord(config.profile.name, optimizer.costs.shape.to_dict()) \
@@ -511,6 +517,8 @@ class Coordinator:
         members = self._store.members()
         view = self._view(generation, current, members, now)
         boundary = self._close_intervals(view.available, now)
+        if boundary and current is not None:
+            self._learn(generation, current)
         batching = self._batching(view)
         if current is None and len(view.available) < self._config.min_workers:
             self._warn_once(f"waiting for {self._config.min_workers} workers before "
@@ -561,6 +569,30 @@ class Coordinator:
                     return
         if boundary:
             self._save()
+
+    def _learn(self, generation: int, current: Layout) -> None:
+        """Feed the running layout's new step reports to the learner; re-plan with what it
+        learned once a price has moved (liveput/learned.py)."""
+        layout = current.parallelism
+        fresh = 0
+        for worker, report in self._store.step_reports().items():
+            seen = (report.generation, report.iteration)
+            if worker in current.workers and report.generation == generation \
+                    and seen > self._reported.get(worker, (0, -1)):
+                self._reported[worker] = seen
+                self._learner.observe(layout, report.seconds)
+                fresh += 1
+        estimate = next((e for e in self._learner.estimates() if e.layout == layout), None)
+        if not fresh or estimate is None:  # none new, or a layout the profile cannot run
+            return
+        key = (layout.tp, layout.pp, layout.dp)
+        self._learned_intervals[key] = self._learned_intervals.get(key, 0) + 1
+        learned = self._learner.replan()
+        if learned is not None:
+            self._optimizer = self._config.optimizer(learned)
+        self._events.write(ThroughputLearned(generation, *key, self._learned_intervals[key], estimate.reports,
+                                             self._learner.model().iteration_seconds(layout),
+                                             estimate.prior_seconds))
 
     def _batching(self, view: MemberView) -> bool:
         """Whether a worker's instance got its notice too recently to act: the rest of its

@@ -9,6 +9,11 @@ inputs of the configured shape, and writes those figures:
 
     parcae profile --output gpt-1.5b.profile.json -- --config configs/gpt-1.5b.yaml --bf16 \\
         --transformer-impl transformer_engine --mock-data --vocab-size 50257
+
+With `--analytic` it builds no model: it times this device's matmuls at the model's own
+shapes and its memory bandwidth (a second or two) and computes the figures from the
+model's shape (megatron_parcae/liveput/analytic.py). That is a prior, not a measurement:
+the coordinator corrects it from the step times the workers report.
 """
 
 from __future__ import annotations
@@ -22,16 +27,19 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from megatron_parcae.liveput.analytic import GRADIENT_BYTES_PER_PARAM, DeviceRates, analytic_profile
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 
 DEFAULT_LINK_BYTES_PER_SECOND = 1.25e9  # 10 Gb/s, the network of Parcae's p3.2xlarge cluster
-GRADIENT_BYTES_PER_PARAM = 4  # megatron DDP reduces gradients in fp32 here
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="profile JSON to write")
     parser.add_argument("--model", choices=("gpt", "bert"), default="gpt")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per unit (after one warm-up)")
+    parser.add_argument("--analytic", action="store_true",
+                        help="build no model: compute the figures from the model's shape and this device's "
+                             "measured matmul rate and memory bandwidth (a prior the coordinator corrects)")
     parser.add_argument("--link-bytes-per-second", type=float, default=DEFAULT_LINK_BYTES_PER_SECOND,
                         help="bandwidth between workers (pipeline p2p, data-parallel all-reduce)")
     parser.add_argument("--tensor-parallel-bytes-per-second", type=float, default=None,
@@ -149,6 +157,60 @@ def _memory_bytes() -> float:
     return float(psutil.virtual_memory().total)
 
 
+def _seconds_per_call(call: Callable[[], object], repeats: int) -> float:
+    """Best of `repeats` timed calls after a warm-up: the rate the device can sustain."""
+    import torch
+
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_device(args: argparse.Namespace, repeats: int) -> DeviceRates:
+    """This device's matmul rate on one micro-batch of the model's layer matmuls (QKV,
+    MLP up and down, in the run's dtype) and its memory bandwidth on an elementwise add."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 and device == "cuda" else torch.float32
+    tokens, h, f = args.micro_batch_size * args.seq_length, args.hidden_size, args.ffn_hidden_size
+    x, xf = torch.randn(tokens, h, dtype=dtype, device=device), torch.randn(tokens, f, dtype=dtype, device=device)
+    weights = [torch.randn(h, 3 * h, dtype=dtype, device=device), torch.randn(h, f, dtype=dtype, device=device)]
+    down = torch.randn(f, h, dtype=dtype, device=device)
+
+    def matmuls() -> None:
+        for w in weights:
+            x @ w
+        xf @ down
+    flops = 2.0 * tokens * h * (3 * h + 2 * f)
+    a, b = (torch.ones(1 << 23, dtype=torch.float32, device=device) for _ in range(2))
+    return DeviceRates(torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       flops / _seconds_per_call(matmuls, repeats),
+                       3 * a.numel() * a.element_size() / _seconds_per_call(lambda: a.add_(b), repeats),
+                       _memory_bytes())
+
+
+def build_analytic_profile(args: argparse.Namespace, options: argparse.Namespace) -> dict:
+    from megatron_parcae.training.data.datasets import build_tokenizer
+    from megatron_parcae.training.models import padded_vocab_size
+    from reconfig.layout import ModelShape
+
+    shape = ModelShape.from_args(args, padded_vocab_size(build_tokenizer(args).vocab_size, args))
+    return analytic_profile(
+        shape, model=Path(args.config).stem if args.config else args.model,
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length, value_bytes=2 if args.bf16 or args.fp16 else 4,
+        device=measure_device(args, options.repeats), link_bytes_per_second=options.link_bytes_per_second,
+        tensor_parallel_bytes_per_second=options.tensor_parallel_bytes_per_second or options.link_bytes_per_second,
+        max_tensor_parallel=options.max_tensor_parallel)
+
+
 def build_profile(args: argparse.Namespace, measured: dict, options: argparse.Namespace) -> dict:
     """The profile document, with the optimizer step shared out over units by parameters."""
     from reconfig.layout import ModelShape
@@ -183,12 +245,15 @@ def run(options: argparse.Namespace) -> int:
         if options.repeats < 1:
             raise ArgumentError("--repeats must be positive")
         args = parse_args(megatron_args, prog="parcae profile", model=options.model, world_size=1)
-        if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+        if not options.analytic and (args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1):
             raise ArgumentError("profiles are measured at T = P = 1 (drop the parallel-size flags)")
     except ArgumentError as exc:
         print(f"parcae profile: error: {exc}", file=sys.stderr)
         return 2
-    profile = build_profile(args, measure(args, options.repeats), options)
+    if options.analytic:
+        profile = build_analytic_profile(args, options)
+    else:
+        profile = build_profile(args, measure(args, options.repeats), options)
     Path(options.output).write_text(json.dumps(profile, indent=1))
     layer_ms = sum(u["forward_ms"] + u["backward_ms"] for u in profile["layers"]) / len(profile["layers"])
     print(f"{options.output}: {len(profile['layers'])} layers, {layer_ms:.2f} ms forward+backward per layer "

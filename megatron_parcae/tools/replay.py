@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -39,11 +40,17 @@ from typing import Callable, Protocol
 import psutil
 
 from megatron_parcae.control.agent import FENCED_EXIT
-from megatron_parcae.events import Event, EventError, EventFollower, Iteration, LayoutChange, Load, Save
+from megatron_parcae.events import (
+    Event, EventError, EventFollower, Iteration, LayoutChange, Load, Save, ThroughputLearned, read_events,
+)
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 from reconfig.placement import MAX_GPUS_PER_INSTANCE
 
 BASELINES = ("checkpoint-restart",)
+# The coordinator's planning interval and Parcae's, in trace seconds: what a restart or a
+# migration is compared with.
+INTERVAL_TRACE_SECONDS = 60.0
+PREDICTION_INTERVALS = 5  # the coordinator's learned step time is checked after this many intervals of a layout
 # Workers and the coordinator renew leases from background threads; on a machine running
 # more processes than it has cores those threads can stall for seconds.
 LEASE_SECONDS = 5.0
@@ -85,6 +92,8 @@ class JobLog:
     progress: list[tuple[float, int]] = field(default_factory=list)  # (seconds, trained samples)
     trained: list[tuple[int, int]] = field(default_factory=list)  # (iteration, consumed samples), as logged
     changes: list[dict] = field(default_factory=list)  # layout changes the workers reported
+    step_seconds: dict[str, list[float]] = field(default_factory=dict)  # by layout, each step but a change's first
+    _after_change: bool = field(default=True, repr=False)
     events: list[dict] = field(default_factory=list)  # what the emulator did: preempt, arrive
     _files: list[EventFollower] = field(default_factory=list, repr=False)
 
@@ -113,7 +122,12 @@ class JobLog:
             self.losses[self.iteration] = self.loss
             self.progress.append((self.seconds(event.time), self.trained_samples))
             self.trained.append((self.iteration, self.consumed_samples))
+            if self.changes and not self._after_change:
+                key = "T{}P{}D{}".format(*self.changes[-1]["layout"])
+                self.step_seconds.setdefault(key, []).append(event.ms_per_iteration / 1000)
+            self._after_change = False
         elif isinstance(event, LayoutChange):
+            self._after_change = True  # its first step's time includes the change
             self.lost_steps += event.lost_steps
             self.changes.append({"at_seconds": self.seconds(event.time), "iteration": event.iteration,
                                  "generation": event.generation, "kind": event.kind,
@@ -186,6 +200,19 @@ class _Process:
 
 def _child_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+
+
+def analytic_prior(flags: list[str], model: str, workdir: Path) -> Path:
+    """`parcae profile --analytic` of the training command, run as its workers run (one
+    thread): the coordinator's prior when no profile is given."""
+    path = workdir / "analytic-profile.json"
+    command = [sys.executable, "-m", "megatron_parcae.cli", "profile", "--analytic", "--model", model,
+               "--output", str(path), "--", *flags]
+    done = subprocess.run(command, env=_child_env(), capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ReplayError(f"`parcae profile --analytic` of the training command exited {done.returncode}: {last}")
+    return path
 
 
 def largest_world(command_args: list[str], model: str, available: int) -> int:
@@ -457,41 +484,133 @@ class ReplaySummary:
     events: list[dict]
     progress: list[list[float]]
     losses: dict[int, float]
+    # The trace runs `speedup` times faster than the wall clock but restarts and migrations
+    # do not: their cost in trace seconds, against a planning interval, says how much the
+    # compression favours the cheaper one.
+    mean_change_seconds: float | None  # wall seconds: parcae's migrations, the baseline's restarts (a lower bound
+    # when one was cut short: no step before the next change)
+    mean_change_trace_seconds: float | None
+    change_to_interval: float | None  # mean change / INTERVAL_TRACE_SECONDS, both in trace seconds
+    samples_per_second: dict[str, float]  # measured per layout, between its first and last steps
+    ideal_samples: int | None = None  # see `IdealThroughput`
+    live_to_ideal: float | None = None
+    profile_scale: float | None = None  # measured / profiled samples/s over the layouts this run trained with
+    # By layout the coordinator ran for PREDICTION_INTERVALS intervals: what it then predicted
+    # an iteration takes, the median the workers logged, and the relative error.
+    predicted_vs_measured: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, mode: str, job: Job, wall_seconds: float, **setting) -> ReplaySummary:
         log = job.log
-        for change in log.changes:  # a restart's time: until the first step it logs
+        stretches = list(zip(log.changes, [*log.changes[1:], None]))
+        for change, following in stretches:  # a restart's time: until its first step, or the next change
             if change["seconds"] is None:
-                after = [t for t, _ in log.progress if t > change["at_seconds"]]
-                change["seconds"] = round(after[0] - change["at_seconds"], 3) if after else None
+                end = wall_seconds if following is None else following["at_seconds"]
+                after = [t for t, _ in log.progress if change["at_seconds"] < t <= end]
+                change["seconds"] = round((after[0] if after else end) - change["at_seconds"], 3)
+                change["cut_short"] = not after
         per_layout: dict[str, float] = {}
-        for change, following in zip(log.changes, [*log.changes[1:], None]):
+        measured: dict[str, tuple[float, float]] = {}  # samples, seconds
+        for change, following in stretches:
             end = wall_seconds if following is None else following["at_seconds"]
             key = "T{}P{}D{}".format(*change["layout"])
             per_layout[key] = round(per_layout.get(key, 0.0) + max(0.0, end - change["at_seconds"]), 3)
+            steps = [(t, n) for t, n in log.progress if change["at_seconds"] < t <= end]
+            if len(steps) >= 2:  # from the first step on: the change itself is not throughput
+                samples, seconds = measured.get(key, (0.0, 0.0))
+                measured[key] = (samples + steps[-1][1] - steps[0][1], seconds + steps[-1][0] - steps[0][0])
+        counted = [c["seconds"] for c in log.changes
+                   if c["seconds"] is not None and (c["kind"] != "restart" or mode != "parcae")]
+        mean = sum(counted) / len(counted) if counted else None
+        speedup = setting["speedup"]
         return cls(mode=mode, wall_seconds=round(wall_seconds, 3), samples=log.trained_samples if log.iteration else 0,
                    iterations=log.iteration, final_loss=log.loss, lost_steps=log.lost_steps,
                    preemptions=job.preemptions, arrivals=job.arrivals, seconds_per_layout=per_layout,
                    changes=log.changes, events=log.events, progress=[list(p) for p in log.progress],
-                   losses=dict(sorted(log.losses.items())), **setting)
+                   losses=dict(sorted(log.losses.items())),
+                   mean_change_seconds=None if mean is None else round(mean, 3),
+                   mean_change_trace_seconds=None if mean is None else round(mean * speedup, 1),
+                   change_to_interval=None if mean is None else round(mean * speedup / INTERVAL_TRACE_SECONDS, 3),
+                   samples_per_second={k: round(n / s, 2) for k, (n, s) in measured.items() if s > 0}, **setting)
+
+    def with_predictions(self, workdir: Path, step_seconds: dict[str, list[float]]) -> None:
+        """Check the coordinator's learned throughput (its `throughput_learned` events in
+        `workdir`) against the step times the workers logged, per layout."""
+        predicted: dict[str, float] = {}
+        for path in sorted(workdir.glob("coordinator-*.events.jsonl")):
+            for event in read_events(path):
+                key = f"T{event.tp}P{event.pp}D{event.dp}" if isinstance(event, ThroughputLearned) else None
+                if key and event.intervals >= PREDICTION_INTERVALS and key not in predicted:
+                    predicted[key] = event.predicted_seconds
+        for key, seconds in sorted(predicted.items()):
+            if step_seconds.get(key):
+                median = statistics.median(step_seconds[key])
+                self.predicted_vs_measured[key] = {"predicted_seconds": round(seconds, 4),
+                                                   "measured_median_seconds": round(median, 4),
+                                                   "error": round(seconds / median - 1, 3)}
+
+    def with_ideal(self, ideal: IdealThroughput, steps: list[ReplayStep], duration_seconds: float) -> None:
+        """The simulator's `ideal` policy on this replay's exact steps: every change free,
+        always the best layout for the instances available, at this run's throughput."""
+        scale = ideal.scale(self)
+        end = min(self.wall_seconds, duration_seconds)
+        samples = 0.0
+        for step, following in zip(steps, [*steps[1:], None]):
+            until = end if following is None else min(end, following.at_seconds)
+            samples += ideal.best(step.count * self.gpus_per_instance) * scale * max(0.0, until - step.at_seconds)
+        self.profile_scale = round(scale, 4)
+        self.ideal_samples = round(samples)
+        self.live_to_ideal = round(self.samples / samples, 3) if samples else None
 
     def table_rows(self) -> list[tuple[str, str]]:
-        changes = [c for c in self.changes if c["kind"] != "restart" or self.mode != "parcae"]
         return [
             ("samples trained", f"{self.samples}"),
+            ("ideal samples", "-" if self.ideal_samples is None else f"{self.ideal_samples}"),
+            ("live / ideal", "-" if self.live_to_ideal is None else f"{self.live_to_ideal:.2f}"),
             ("iterations", f"{self.iterations}"),
             ("final loss", "-" if self.final_loss is None else f"{self.final_loss:.4f}"),
             ("preemptions / arrivals", f"{self.preemptions} / {self.arrivals}"),
             ("layout changes", f"{len(self.changes)}"),
-            ("mean change seconds", _mean([c["seconds"] for c in changes if c["seconds"] is not None])),
+            ("mean change s (wall)", _number(self.mean_change_seconds, 2)),
+            ("mean change s (trace)", _number(self.mean_change_trace_seconds, 1)),
+            ("change / interval", _number(self.change_to_interval, 2)),
             ("lost steps", f"{self.lost_steps}"),
             ("wall seconds", f"{self.wall_seconds:.0f}"),
+            (f"predicted/measured step ({PREDICTION_INTERVALS} int.)",
+             ", ".join(f"{k} {v['error']:+.0%}" for k, v in self.predicted_vs_measured.items()) or "-"),
         ]
 
 
-def _mean(values: list[float]) -> str:
-    return f"{sum(values) / len(values):.2f}" if values else "-"
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+class IdealThroughput:
+    """The coordinator's throughput model (its profile, on instances of G GPUs), to be
+    scaled per run so that, over the layouts the run trained with, it predicts the samples
+    the run measured: a run's ideal then differs from it by the changes alone, not by a
+    profile of another machine or by the load the run met."""
+
+    def __init__(self, profile: Path, max_workers: int, gpus_per_instance: int):
+        from megatron_parcae.liveput import CostConstants, build_liveput
+        from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
+
+        self.model = build_liveput(profile, CostConstants.load(DEFAULT_CONSTANTS), lookahead=1,
+                                   distributed_optimizer=False, max_workers=max_workers,
+                                   gpus_per_instance=gpus_per_instance).throughput
+        self.profiled = {"T{}P{}D{}".format(p.tp, p.pp, p.dp): self.model.samples_per_second(p)
+                         for p in self.model.layouts()}
+
+    def scale(self, summary: ReplaySummary) -> float:
+        """Measured over profiled samples, over the seconds each layout of `summary` ran."""
+        ran = [k for k in summary.samples_per_second if self.profiled.get(k)]
+        profiled = sum(self.profiled[k] * summary.seconds_per_layout[k] for k in ran)
+        measured = sum(summary.samples_per_second[k] * summary.seconds_per_layout[k] for k in ran)
+        return measured / profiled if profiled else 0.0
+
+    def best(self, workers: int) -> float:
+        """The profile's samples/s of its best layout on `workers` workers."""
+        return self.model.best_samples_per_second(workers)
 
 
 def side_by_side(summaries: list[ReplaySummary]) -> str:
@@ -543,7 +662,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace-seconds", type=float, default=10.0,
                         help="wall-clock seconds between SIGTERM and SIGKILL of a preempted instance")
     parser.add_argument("--profile", type=Path, default=None,
-                        help="the model's layer profile (parcae profile) or throughput CSV, for the coordinator")
+                        help="the coordinator's prior: the model's layer profile (parcae profile) or throughput CSV; "
+                             "default: `parcae profile --analytic` of the training command, corrected online")
     parser.add_argument("--baseline", choices=BASELINES, default=None,
                         help="then replay the same trace with this baseline and compare")
     parser.add_argument("--save-interval", type=int, default=20, help="the baseline's checkpoint interval (iterations)")
@@ -615,10 +735,9 @@ def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
             raise ValueError(f"--gpus-per-instance must be from 1 to {MAX_GPUS_PER_INSTANCE}")
         if not args.grace_seconds >= 0:
             raise ValueError("--grace-seconds must be >= 0")
-        script, flags, _ = _training_command(args)
-        if args.profile is None or not args.profile.is_file():
-            raise ValueError(f"--profile: {'required' if args.profile is None else f'no file {args.profile}'} "
-                             "(make one with `parcae profile`)")
+        script, flags, model = _training_command(args)
+        if args.profile is not None and not args.profile.is_file():
+            raise ValueError(f"--profile: no file {args.profile} (make one with `parcae profile`, or leave it out)")
         trace = AvailabilityTrace.load(args.trace)
         end = args.end_hour if args.end_hour is not None else trace.duration_seconds / 3600.0
         segment = trace.cut(args.start_hour, end).scale(args.max_instances)
@@ -631,7 +750,7 @@ def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
                    grace_seconds=args.grace_seconds, max_instances=args.max_instances,
                    gpus_per_instance=args.gpus_per_instance)
     runs: list[tuple[str, Callable[[Path], Job]]] = [("parcae", lambda d: ParcaeJob(
-        script, flags, d, args.profile, args.grace_seconds, 60.0 / args.speedup, args.max_instances, args.seed,
+        script, flags, d, args.profile or analytic_prior(flags, model, d), args.grace_seconds, 60.0 / args.speedup, args.max_instances, args.seed,
         args.gpus_per_instance))]
     if args.baseline == "checkpoint-restart":
         runs.append(("checkpoint-restart", lambda d: CheckpointRestartJob(
@@ -652,8 +771,24 @@ def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
             print(f"{prog}: error: {mode}: {exc}", file=sys.stderr)
             return 1
         summaries.append(ReplaySummary.of(mode, job, wall, **setting))
+        if mode == "parcae":
+            summaries[-1].with_predictions(workdir, job.log.step_seconds)
+    coordinator_profile = Path(json.loads((args.workdir / "parcae" / "coordinator.yaml").read_text())["profile"])
+    ideal = IdealThroughput(coordinator_profile, args.max_instances * args.gpus_per_instance, args.gpus_per_instance)
+    for summary in summaries:
+        summary.with_ideal(ideal, steps, duration)
     print(side_by_side(summaries), flush=True)
+    measured = "; ".join(f"{s.mode} " + ", ".join(f"{k} {v:.1f} (profile {ideal.profiled.get(k, 0.0):.1f})"
+                                                   for k, v in sorted(s.samples_per_second.items()))
+                         for s in summaries)
+    print(f"ideal: every change free, always the profile's best layout for the instances available, at its "
+          f"samples/s scaled to what each run measured ({measured}); trace seconds are wall x {args.speedup:g}, "
+          f"an interval is {INTERVAL_TRACE_SECONDS:g} trace s", flush=True)
     result: dict = {s.mode: asdict(s) for s in summaries}
+    if len(summaries) == 2:
+        result["restart_to_interval"] = summaries[1].change_to_interval
+        print(f"{summaries[1].mode}: a restart is {_number(summaries[1].change_to_interval, 2)} of an interval "
+              f"(Parcae measured 29-43 s restarts against 60 s intervals: 0.48-0.72)", flush=True)
     if len(summaries) == 2 and summaries[1].samples:
         result["ratio"] = round(summaries[0].samples / summaries[1].samples, 3)
         print(f"parcae / {summaries[1].mode} samples: {result['ratio']:.2f}x", flush=True)
