@@ -5,7 +5,8 @@ the first completed step after it, and set beside checkpoint-restart of the same
 dist checkpoint saved at that boundary, every process killed, a new torchrun that loads
 it into the new layout and completes one step. All figures come from one run of this
 script; the ratios are restart / migration. Bars: intra-stage at least 10x, pipeline at
-least 3x; planning for 1,024 ranks under 1 s. Exits 1 if a run fails or a bar is missed.
+least 3x; planning for 1,024 ranks under 1 s; the cost model's prediction of each kind of
+change within 25% of its measurements. Exits 1 if a run fails or a bar is missed.
 
 How it is measured:
 - migration: the "elapsed time per iteration" the training script reports for the first
@@ -18,13 +19,24 @@ How it is measured:
   once by the initial layout (1,2,2); each restart loads it into the layout its migration
   went to. Every figure comes from the jobs' events (--parcae-events), time-stamped by
   the training process.
+- cost model: each change's plan (the job's schedule, planned here as the job plans it)
+  priced phase by phase (reconfig/phases.py) by megatron_parcae/liveput/cost.py, beside
+  the phases the change's event reports. Every change is made twice; the rates of each
+  phase (seconds per byte staged or sent, per change, per group, per parameter built)
+  are fitted by least squares on the first of each pair, all kinds together, and
+  checked on the second. The cost model gives each rank a device; here the processes
+  share the cores, so each phase is fitted and predicted scaled by its ranks per core.
+  The defaults (the cost-constants file, with the host-copy and loopback rates measured
+  here) are shown beside them.
 
     nice python -m benchmarks.reconfig
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -35,8 +47,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+import torch
 
 from megatron_parcae.events import Event, EventFollower, Iteration, LayoutChange, Save
+from megatron_parcae.liveput.cost import CostConstants, MigrationCostModel
+from reconfig import phases
+from reconfig.layout import ModelShape, Parallelism
+from reconfig.plan import MigrationPlan
+from reconfig.schedule import parse_layout_schedule, plan_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,6 +63,7 @@ INITIAL = (1, 2, 2)  # T, P, D of every job this script starts (4 processes)
 DECISION = 3  # iterations done before the first change and before the save
 RUN_LIMIT_S = 300.0
 BARS = {"intra-stage": 10.0, "pipeline": 3.0}
+PREDICTION_TOLERANCE = 0.25  # the cost model's seconds against a kind's measured changes (median ratio)
 PLAN_LIMIT_S = 1.0
 POLL_S = 0.02  # how often a running job's events file is read
 
@@ -61,9 +80,18 @@ class MigrationRun:
 MIGRATION_RUNS = (
     MigrationRun(f"{DECISION}:1,2,1:leave=1,3", DECISION + 2, ("intra-stage: a replica of each stage leaves",)),
     MigrationRun(f"{DECISION}:1,2,1:leave=2,3", DECISION + 2, ("grace period: stage 1 loses both replicas",)),
-    MigrationRun(f"{DECISION}:1,4,1;{DECISION + 2}:1,2,2;{DECISION + 4}:2,2,1", DECISION + 5,
-                 ("pipeline: P 2 -> 4", "pipeline: P 4 -> 2", "tensor: T 1 -> 2 (P 2, D 2 -> 1)")),
+    MigrationRun(f"{DECISION}:1,2,1:leave=1,3", DECISION + 2, ("intra-stage (again)",)),
+    MigrationRun(f"{DECISION}:1,2,1:leave=2,3", DECISION + 2, ("grace period (again)",)),
+    MigrationRun(";".join(f"{DECISION + 2 * i}:{layout}" for i, layout in enumerate(["1,4,1", "1,2,2"] * 2
+                                                                                     + ["2,2,1", "1,2,2"] * 2)),
+                 DECISION + 16, ("pipeline: P 2 -> 4", "pipeline: P 4 -> 2", "pipeline: P 2 -> 4 (again)",
+                                 "pipeline: P 4 -> 2 (again)", "tensor: T 1 -> 2 (P 2, D 2 -> 1)",
+                                 "tensor: T 2 -> 1 (P 2, D 1 -> 2)", "tensor: T 1 -> 2 (again)",
+                                 "tensor: T 2 -> 1 (again)")),
 )
+# configs/gpt-tiny.yaml as the jobs build it: vocabulary padded to 384, fp32 (12 state bytes per parameter)
+GPT_TINY = ModelShape("gpt", num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                      vocab_size=384, max_position_embeddings=64)
 
 
 @dataclass
@@ -87,9 +115,11 @@ class Migration:
     kind: str
     layout: tuple[int, int, int]
     planned_bytes: int
+    plan: MigrationPlan  # as the job planned it (the same schedule, planned here)
     change_ms: float
     step_before_ms: float
     total_ms: float  # decision to first completed step after it
+    phases: dict[str, float]  # seconds of each phase, as the change's event reports them
 
 
 class RunFailed(RuntimeError):
@@ -159,16 +189,20 @@ def run_migrations(run: MigrationRun, files: Path) -> list[Migration]:
     job = follow(proc, files)
     step_ms = {e.iteration: e.ms_per_iteration for e in job.all(Iteration)}
     changes: list[LayoutChange] = job.all(LayoutChange)
+    plans = [m.plan for m in plan_schedule(parse_layout_schedule(run.schedule), Parallelism.even(4, tp, pp, INITIAL[2]),
+                                           4, GPT_TINY, False)]
     if job.returncode != 0 or len(changes) != len(run.names):
         raise RunFailed(f"schedule {run.schedule!r}: exit {job.returncode}, {len(changes)} of {len(run.names)} "
                         f"changes reported:\n{job.tail()}")
     out = []
-    for name, c in zip(run.names, changes):
+    for name, c, plan in zip(run.names, changes, plans):
         if c.iteration not in step_ms or c.iteration + 1 not in step_ms:
             raise RunFailed(f"schedule {run.schedule!r}: iterations {c.iteration}, {c.iteration + 1} not both "
                             f"reported:\n{job.tail()}")
-        out.append(Migration(name, c.kind, (c.tp, c.pp, c.dp), c.bytes_planned, c.seconds * 1000.0,
-                             step_ms[c.iteration], step_ms[c.iteration + 1]))
+        if plan.bytes_total() != c.bytes_planned:
+            raise RunFailed(f"{name}: the job planned {c.bytes_planned} bytes, planned here {plan.bytes_total()}")
+        out.append(Migration(name, c.kind, (c.tp, c.pp, c.dp), c.bytes_planned, plan, c.seconds * 1000.0,
+                             step_ms[c.iteration], step_ms[c.iteration + 1], c.phases))
     return out
 
 
@@ -221,6 +255,136 @@ def plan_times() -> list[tuple[str, str, int, float]]:
     return out
 
 
+def measured_rates() -> tuple[float, float]:
+    """(host copy, loopback) bytes per second, measured here now: what staging state in
+    host memory and a message between two local processes (gloo's TCP) cost per byte."""
+    nbytes = 64 * 2**20
+    source, target = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    host = 0.0
+    for _ in range(5):
+        started = time.perf_counter()
+        target.copy_(source)
+        host = max(host, nbytes / (time.perf_counter() - started))
+    payload, loopback = bytes(nbytes), 0.0
+    for _ in range(3):
+        sender, receiver = socket.socketpair()
+        with sender, receiver:
+            thread = threading.Thread(target=sender.sendall, args=(payload,))
+            buffer, got = memoryview(bytearray(nbytes)), 0
+            started = time.perf_counter()
+            thread.start()
+            while got < nbytes:
+                got += receiver.recv_into(buffer[got:])
+            loopback = max(loopback, nbytes / (time.perf_counter() - started))
+            thread.join()
+    return host, loopback
+
+
+def _rate(quantity: str, seconds_per_unit: float) -> str:
+    """A fitted rate, in the unit people read it in."""
+    if quantity == "bytes":
+        return f"{1 / seconds_per_unit / 1e9:.3g} GB/s" if seconds_per_unit > 0 else "free"
+    scale, unit = {"changes": (1e3, "ms"), "groups": (1e3, "ms"), "parameters": (1e9, "ns")}[quantity]
+    return f"{seconds_per_unit * scale:.3g} {unit} per {quantity[:-1]}"
+
+
+def _ratio(predicted: float, measured: float) -> str:
+    return f"{predicted / measured:5.2f}" if measured >= 0.001 else "    -"
+
+
+def ranks_per_core(plan: MigrationPlan, phase: str) -> float:
+    """How many times longer a phase takes here than on a device per rank, as the cost
+    model has it: the job's processes share this machine's cores, those of the old layout
+    until WORLD is re-formed (the leaving ones until they have sent), the new layout's
+    after."""
+    if phase in (phases.EXPORT, phases.WORLD):
+        ranks = plan.request.old.parallelism.world_size
+    elif phase == phases.EXCHANGE:
+        ranks = len(set(plan.new.slots) | {t.src for t in plan.transfers})
+    else:
+        ranks = plan.new.parallelism.world_size
+    return max(1.0, ranks / (os.cpu_count() or 1))
+
+
+def _fit(model: MigrationCostModel, migrations: list[Migration]) -> MigrationCostModel:
+    """`model` with its phase rates fitted on `migrations`, as if each rank had a core."""
+    return model.fitted([(m.plan, {p: s / ranks_per_core(m.plan, p) for p, s in m.phases.items()})
+                         for m in migrations])
+
+
+def _predicted(model: MigrationCostModel, plan: MigrationPlan) -> dict[str, float]:
+    """Seconds of each phase of `plan` on this machine."""
+    return {p: s * ranks_per_core(plan, p) for p, s in model.phase_seconds(plan).items()}
+
+
+def check_cost_model(migrations: list[Migration]) -> bool:
+    """Print the cost model's prediction of every change, phase by phase, beside the
+    phases its event reports. The rates are fitted on the first run of each change (all
+    kinds together: a phase's rates are per byte, group, parameter or change, not per
+    kind) and checked on the second. A kind passes when its second runs' predicted seconds,
+    summed, are within the tolerance of their measured ones."""
+    host, loopback = measured_rates()
+    defaults = MigrationCostModel(dataclasses.replace(
+        CostConstants.load(), p2p_bytes=(1, 2**30), p2p_seconds=(1 / loopback, 2**30 / loopback),
+        intra_instance_bytes_per_second=loopback, host_copy_bytes_per_second=host, grace_period_seconds=1e9),
+        GPT_TINY)
+    seen: set[tuple] = set()
+    first, second = [], []
+    for m in migrations:
+        same = (m.plan.request.old.parallelism, m.plan.new.parallelism, m.plan.request.leaving)
+        (second if same in seen else first).append(m)
+        seen.add(same)
+    model, in_sample = _fit(defaults, first), _fit(defaults, migrations)
+    fitted_on = {id(m) for m in first}
+    print(f"\ncost model (megatron_parcae/liveput/cost.py) against the measured changes, by phase "
+          f"(reconfig/phases.py); measured here: host copy {host / 1e9:.2f} GB/s, loopback {loopback / 1e9:.2f} GB/s, "
+          f"{os.cpu_count()} cores")
+    print(f"rates fitted (non-negative least squares, per phase, all kinds together) on the first run of each "
+          f"change ({len(first)}), checked on the second ({len(second)}); measured phases divided by "
+          f"ranks per core (at least 1) to fit, predictions multiplied by it:")
+    for phase in phases.PHASES:
+        print(f"  {phase:8}: " + ", ".join(_rate(q, r) for q, r in model.phase_rates[phase].items()))
+    c = defaults.constants
+    print(f"defaults (default s below): host copy and loopback as measured, world {c.world_init_seconds * 1e3:.3g} ms "
+          f"per change, groups {c.group_create_seconds_survivors_only * 1e3:.3g} ms each (survivors only), "
+          f"build {c.model_build_seconds_per_param * 1e9:.3g} ns per parameter (cost-constants file)")
+    print(f"{'migration':45} {'run':6} {'meas. s':>7} {'phases':>7} {'pred. s':>7} {'ratio':>5} {'default':>7}  "
+          + "  ".join(f"{p:>13}" for p in phases.PHASES))
+    print(f"{'':45} {'':6} {'':7} {'':7} {'':7} {'':5} {'pred. s':>7}  "
+          + "  ".join(f"{'meas./pred.':>13}" for _ in phases.PHASES))
+    for m in migrations:
+        predicted = _predicted(model, m.plan)
+        print(f"{m.name:45} {'fit' if id(m) in fitted_on else 'check':6} {m.change_ms / 1000:7.3f} "
+              f"{sum(m.phases.values()):7.3f} {sum(predicted.values()):7.3f} "
+              f"{_ratio(sum(predicted.values()), m.change_ms / 1000)} "
+              f"{sum(_predicted(defaults, m.plan).values()):7.3f}  "
+              + "  ".join(f"{m.phases.get(p, 0.0) * 1e3:6.0f}/{predicted[p] * 1e3:<6.0f}" for p in phases.PHASES))
+    print("meas. s: the change's seconds; phases: the sum of its measured phases; ratio: predicted / measured; "
+          "by phase: ms")
+    ok = True
+    print("\nsecond runs by kind, summed: measured s / predicted s (ratio); first runs: their measured s; "
+          "in-sample: the ratio with rates fitted on every run")
+    print(f"{'kind':12} {'first':>6} {'in-sample':>9} {'second runs':>21}  " + "  ".join(f"{p:>21}" for p in phases.PHASES))
+    for kind in dict.fromkeys(m.kind for m in migrations):
+        runs = [m for m in second if m.kind == kind]
+        measured = sum(m.change_ms / 1000 for m in runs)
+        predicted = sum(sum(_predicted(model, m.plan).values()) for m in runs)
+        of_kind = [m for m in migrations if m.kind == kind]
+        in_sample_ratio = _ratio(sum(sum(_predicted(in_sample, m.plan).values()) for m in of_kind),
+                                 sum(m.change_ms / 1000 for m in of_kind))
+        by_phase = [(sum(m.phases.get(p, 0.0) for m in runs), sum(_predicted(model, m.plan)[p] for m in runs))
+                    for p in phases.PHASES]
+        met = bool(runs) and abs(predicted / measured - 1) <= PREDICTION_TOLERANCE
+        ok &= met
+        print(f"{kind:12} {sum(m.change_ms / 1000 for m in first if m.kind == kind):6.3f} {in_sample_ratio:>9} "
+              f"{measured:6.3f} / {predicted:6.3f} ({_ratio(predicted, measured)})  "
+              + "  ".join(f"{a:6.3f} / {b:6.3f} ({_ratio(b, a)})" for a, b in by_phase)
+              + ("" if met else "  <- off by more than the tolerance"))
+    print(f"each kind's predicted seconds within {PREDICTION_TOLERANCE:.0%} of the measured (second runs): "
+          f"{'yes' if ok else 'NO'}")
+    return ok
+
+
 def main() -> int:
     ok = True
     migrations: list[Migration] = []
@@ -266,6 +430,9 @@ def main() -> int:
         ok &= met
         shown = f"{ratios[kind]:.1f}x" if kind in ratios else "not measured"
         print(f"{kind} at least {bar:.0f}x faster than checkpoint-restart: {'yes' if met else 'NO'} ({shown})")
+
+    if migrations:
+        ok &= check_cost_model(migrations)
 
     times = plan_times()
     slowest = max(times, key=lambda t: t[3])

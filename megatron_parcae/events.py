@@ -104,7 +104,8 @@ class LayoutChange(Event):
     it planned to move and, after it, the live process groups and resident memory of the
     reporting process; or "restart": built from `source` (a checkpoint directory, or "the
     seed"), training went back `lost_steps` steps. `seconds`: from the decision until the
-    new layout could train.
+    new layout could train; `phases`: the reporting process's seconds in each phase of a
+    migration (reconfig/phases.py), adding up to at most `seconds` (empty for a restart).
     """
 
     NAME = "layout_change"
@@ -122,13 +123,14 @@ class LayoutChange(Event):
     lost_steps: int = 0
     device_peak_mib: float | None = None  # of the reporting process during the change (GPU only)
     steady_device_peak_mib: float | None = None  # and before it
+    phases: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of_migration(cls, generation: int, iteration: int, figures: ChangeFigures) -> LayoutChange:
         p = figures.parallelism
         return cls(generation, iteration, figures.kind, p.tp, p.pp, p.dp, figures.seconds, figures.bytes_planned,
                    figures.process_groups, figures.resident_mib, device_peak_mib=figures.device_peak_mib,
-                   steady_device_peak_mib=figures.steady_device_peak_mib)
+                   steady_device_peak_mib=figures.steady_device_peak_mib, phases=dict(figures.phases))
 
     def log_line(self) -> str:
         head = f" layout change at iteration {self.iteration} (generation {self.generation}): "
@@ -138,7 +140,9 @@ class LayoutChange(Event):
             return f"{head}restart {to} from {self.source}, {self.lost_steps} steps lost, {ms}"
         device = "" if self.device_peak_mib is None else (
             f", device peak {self.device_peak_mib:.0f} MiB ({self.steady_device_peak_mib or 0.0:.0f} MiB before)")
-        return (f"{head}{self.kind} migration {to}, {self.bytes_planned} bytes planned, {ms}, "
+        phases = "" if not self.phases else (
+            " (" + ", ".join(f"{name} {seconds * 1000.0:.0f}" for name, seconds in self.phases.items()) + " ms)")
+        return (f"{head}{self.kind} migration {to}, {self.bytes_planned} bytes planned, {ms}{phases}, "
                 f"{self.process_groups} process groups, {self.resident_mib:.0f} MiB resident{device}")
 
 

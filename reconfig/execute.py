@@ -46,7 +46,7 @@ from reconfig.optimizer_state import (
 from reconfig.layout import Parallelism
 from reconfig.plan import OPTIMIZER, PARAMS, PARAMS_AND_OPTIMIZER, MigrationPlan, Range, Transfer
 from reconfig.tensors import ParamShard, param_shards, unwrap
-from reconfig import planes
+from reconfig import phases, planes
 from reconfig.world import World, live_process_groups
 
 _KEYS_OF_STATE = {PARAMS_AND_OPTIMIZER: STATE_KEYS, PARAMS: ("param",), OPTIMIZER: ("exp_avg", "exp_avg_sq")}
@@ -342,31 +342,57 @@ def _agree_on_progress(held: HeldState | None, consumed_samples: int) -> tuple[C
     return Counters(step, scheduler_steps, scale), consumed
 
 
-class _DevicePeaks:
-    """This process's peak device memory before and during its current layout change
-    (None without a GPU): the change must stay near the steady state's."""
+class _ChangeRecord:
+    """What this process measures of its current layout change: the seconds of each
+    phase (reconfig/phases.py), each lap from the end of the one before, and its peak
+    device memory before and during the change (None without a GPU), which must stay
+    near the steady state's.
+
+    A change begins when `hand_over` takes the state out of the old layout, or, for a
+    worker that holds nothing or kept its state from a broken layout, when `migrate` starts.
+    """
 
     def __init__(self) -> None:
         self.steady_mib: float | None = None
+        self.seconds: dict[str, float] = {}
+        self._handed_over = False
+        self._mark = time.perf_counter()
 
-    def begin(self) -> None:
+    def begin(self, handing_over: bool = False) -> None:
+        self.seconds = {}
+        self._handed_over = handing_over
         if torch.cuda.is_available():
             self.steady_mib = torch.cuda.max_memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
+        self._mark = time.perf_counter()
+
+    def enter_migration(self) -> None:
+        """`migrate` goes on from `hand_over`'s record, or begins a fresh one."""
+        if not self._handed_over:
+            self.begin()
+        self._handed_over = False
+
+    def lap(self, phase: str) -> None:
+        """The time since the previous lap was spent in `phase`."""
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
+        self._mark = now
 
     @staticmethod
     def since_begin_mib() -> float | None:
         return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
-_device_peaks = _DevicePeaks()
+_change = _ChangeRecord()
 
 
 def hand_over(runtime: Runtime) -> HeldState:
     """Take this worker's state out of its layout, then drop the layout."""
-    _device_peaks.begin()
+    _change.begin(handing_over=True)
     held = export_held_state(runtime)
+    _change.lap(phases.EXPORT)
     release_runtime(runtime)
+    _change.lap(phases.WORLD)
     return held
 
 
@@ -380,8 +406,7 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
     generation. `held` is None for a worker that holds nothing (joining); its
     `consumed_samples` is replaced by what the holders agree on.
     """
-    if held is None:
-        _device_peaks.begin()
+    _change.enter_migration()
     new_slots = plan.new.slots
     senders = sorted({t.src for t in plan.transfers} - set(new_slots))
     members = tuple(new_slots) + tuple(senders)
@@ -391,13 +416,17 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
     if world.members != members:
         world.reform(members, f"g{generation}")
     counters, consumed_samples = _agree_on_progress(held, consumed_samples)
+    _change.lap(phases.WORLD)
     received = _exchange(plan, world, held)
+    _change.lap(phases.EXCHANGE)
     if world.worker not in new_slots:
         world.leave()
         return None, consumed_samples
     if world.members != new_slots:
         world.reform(new_slots, f"g{generation}/layout")
+        _change.lap(phases.WORLD)
     with built_layout(build, plan.new.parallelism, world, generation) as new_runtime:
+        _change.lap(phases.BUILD)
         initialize_optimizer_states(new_runtime.optimizer)
         sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
         states = _assemble(new_runtime, held, received, sharded)
@@ -405,6 +434,7 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
         load_loss_scale_state(new_runtime.optimizer, counters.loss_scale)
     new_runtime.scheduler.num_steps = counters.scheduler_steps
     new_runtime.scheduler.step(increment=0)
+    _change.lap(phases.IMPORT)
     return new_runtime, consumed_samples
 
 
@@ -440,10 +470,11 @@ class ChangeFigures:
     resident_mib: float
     device_peak_mib: float | None  # during the change (None without a GPU)
     steady_device_peak_mib: float | None  # before it, in the old layout
+    phases: dict[str, float]  # seconds of each phase (reconfig/phases.py) of this process
 
 
 def change_figures(plan: MigrationPlan, started: float) -> ChangeFigures:
     """The figures of `plan`, applied since time.perf_counter() read `started`."""
     return ChangeFigures(plan.kind, plan.new.parallelism, plan.bytes_total(), time.perf_counter() - started,
-                         live_process_groups(), resident_mib(), _device_peaks.since_begin_mib(),
-                         _device_peaks.steady_mib)
+                         live_process_groups(), resident_mib(), _change.since_begin_mib(), _change.steady_mib,
+                         dict(_change.seconds))

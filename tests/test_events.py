@@ -23,7 +23,8 @@ from megatron_parcae.events import (
 
 ITERATION = Iteration(12, 40, 384, 32, {"lm loss": 7.25, "sop loss": 0.5}, 1.5, 2.5e-4, 412.34, 320, 1, 32768.0,
                       time=1.0e9)
-MIGRATION = LayoutChange(3, 12, "pipeline", 1, 4, 1, 0.2345, 1_048_576, 9, 812.4, time=1.0e9 + 1)
+MIGRATION = LayoutChange(3, 12, "pipeline", 1, 4, 1, 0.2345, 1_048_576, 9, 812.4, time=1.0e9 + 1,
+                         phases={"export": 0.0041, "world": 0.05, "exchange": 0.0203, "build": 0.12, "import": 0.03})
 RESTART = LayoutChange(4, 10, "restart", 2, 2, 1, 3.5, source="/ckpt", lost_steps=2, time=1.0e9 + 2)
 ALL = [ITERATION, MIGRATION, RESTART, Save(12, "/ckpt", time=1.0e9 + 3), Load(10, "/ckpt", time=1.0e9 + 4),
        PlanPublished(5, "tensor", 2, 1, 2, (3, 1, 4, 0), 1.25, "lost workers [2]", (2,), (), time=1.0e9 + 5)]
@@ -58,7 +59,7 @@ def test_log_lines_keep_megatrons_format():
         "sop loss: 5.000000E-01 | grad norm: 1.500000 |")
     assert MIGRATION.log_line() == (
         " layout change at iteration 12 (generation 3): pipeline migration to tp 1 pp 4 dp 1, 1048576 bytes planned, "
-        "234.5 ms, 9 process groups, 812 MiB resident")
+        "234.5 ms (export 4, world 50, exchange 20, build 120, import 30 ms), 9 process groups, 812 MiB resident")
     assert RESTART.log_line() == (
         " layout change at iteration 10 (generation 4): restart to tp 2 pp 2 dp 1 from /ckpt, 2 steps lost, 3500.0 ms")
     assert Save(12, "/ckpt").log_line() == " saved checkpoint at iteration 12 to /ckpt"
@@ -92,12 +93,21 @@ def test_a_malformed_line_is_named(path, line, message):
         read_events(path)
 
 
-def test_a_wrong_nested_type_is_refused(path):
-    bad = json.loads(ITERATION.to_json())
-    bad["losses"] = {"lm loss": "low"}
+@pytest.mark.parametrize("event,field,value", [(ITERATION, "losses", {"lm loss": "low"}),
+                                               (MIGRATION, "phases", {"build": None})], ids=["losses", "phases"])
+def test_a_wrong_nested_type_is_refused(path, event, field, value):
+    bad = json.loads(event.to_json())
+    bad[field] = value
     path.write_text(json.dumps(bad) + "\n")
-    with pytest.raises(EventError, match="losses"):
+    with pytest.raises(EventError, match=f"{field} is"):
         read_events(path)
+
+
+def test_a_change_written_before_phases_were_reported_still_reads(path):
+    old = json.loads(MIGRATION.to_json())
+    del old["phases"]
+    path.write_text(json.dumps(old) + "\n")
+    assert read_events(path) == [dataclasses.replace(MIGRATION, phases={})]
 
 
 def test_a_truncated_last_line_from_a_killed_writer_is_ignored(path):

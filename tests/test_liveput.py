@@ -21,8 +21,10 @@ from megatron_parcae.liveput.cost import (
     CostConstants,
     CostConstantsError,
     MigrationCostModel,
+    ParcaeCostModel,
     rank_groups,
 )
+from megatron_parcae.liveput.factory import build_liveput
 from megatron_parcae.liveput.optimizer import OVERRUN_GRID, LiveputOptimizer, outlook, overrun
 from megatron_parcae.liveput.scenarios import (
     ScenarioCosts,
@@ -146,16 +148,22 @@ def gpt_layout(tp: int, pp: int, dp: int) -> Layout:
     return Layout(p, tuple(range(p.world_size)))
 
 
-def test_intra_stage_change_costs_only_world_and_groups():
+def test_intra_stage_change_moves_nothing_but_rebuilds_every_chunk():
+    """The executor drops the old layout and builds the new one on every worker, drawing
+    each weight whole whatever its TP rank; the parts happen one after another."""
     costs = MigrationCostModel(CONSTANTS, GPT_1_5B)
     old = gpt_layout(1, 8, 4)
     lost = old.worker_at(old.parallelism.slot(5))
     request = MigrationRequest(old, old.workers - {lost}, frozenset(), frozenset())
     plan = plan_migration(request, Parallelism(1, 8, 3, old.stage_layers), GPT_1_5B)
     cost = costs.plan_cost(plan)
+    layer = GPT_1_5B.unit("layer.0").params
     assert plan.kind == "intra-stage"
-    assert cost.build_seconds == 0 and cost.transfer_seconds == 0 and not cost.restart
-    assert 0 < cost.seconds < 2
+    assert cost.transfer_seconds == 0 and not cost.restart
+    assert cost.build_seconds == pytest.approx(6 * layer * CONSTANTS.model_build_seconds_per_param)
+    assert cost.seconds == pytest.approx(cost.world_seconds + cost.groups_seconds + cost.staging_seconds
+                                         + cost.build_seconds)
+    assert costs.layer_params(Parallelism(5, 8, 1, old.stage_layers), 0) == 6 * layer
 
 
 def test_pipeline_change_costs_build_and_transfer_and_restart_costs_more():
@@ -167,6 +175,77 @@ def test_pipeline_change_costs_build_and_transfer_and_restart_costs_more():
     assert cost.build_seconds > 0 and cost.transfer_seconds > 0
     restart = costs.restart_cost(target, joining=False)
     assert restart.restart and restart.seconds > cost.seconds + CONSTANTS.checkpoint_save_load_seconds
+
+
+def test_phases_add_up_to_the_cost_and_their_rates_are_fitted_on_measured_phases():
+    """What a job measures of its changes (phase seconds, as LayoutChange reports them)
+    gives back the per-byte, per-change, per-group and per-parameter rates they were
+    made with, whatever the kinds; the fitted model prices whole changes by them."""
+    costs = MigrationCostModel(CONSTANTS, GPT_1_5B)
+    old, small = gpt_layout(1, 8, 4), gpt_layout(1, 4, 5)
+    lost = old.worker_at(old.parallelism.slot(5))
+    everyone = MigrationRequest(old, old.workers, frozenset(), frozenset())
+    plans = [plan_migration(MigrationRequest(old, old.workers - {lost}, frozenset(), frozenset()),
+                            Parallelism(1, 8, 3, old.stage_layers), GPT_1_5B),
+             plan_migration(everyone, Parallelism(1, 10, 3, balanced_partition(48, 10)), GPT_1_5B),
+             plan_migration(everyone, Parallelism(1, 4, 8, balanced_partition(48, 4)), GPT_1_5B),
+             plan_migration(MigrationRequest(small, small.workers, frozenset(), frozenset()),
+                            Parallelism(5, 4, 1, small.stage_layers), GPT_1_5B)]
+    assert {p.kind for p in plans} == {"intra-stage", "pipeline", "tensor"}
+    for plan in plans:
+        assert sum(costs.phase_seconds(plan).values()) == pytest.approx(costs.plan_cost(plan).seconds)
+    rates = {"export": {"bytes": 1e-9}, "world": {"changes": 0.2}, "exchange": {"bytes": 3e-9},
+             "build": {"groups": 0.05, "parameters": 2e-8}, "import": {"bytes": 4e-10}}
+    truth = MigrationCostModel(CONSTANTS, GPT_1_5B, rates)
+    fitted = costs.fitted([(plan, truth.phase_seconds(plan)) for plan in plans])
+    for phase, quantities in rates.items():
+        assert fitted.phase_rates[phase] == pytest.approx(quantities, rel=1e-6)
+    for plan in plans:
+        assert fitted.plan_cost(plan).seconds == pytest.approx(truth.plan_cost(plan).seconds)
+        assert fitted.plan_cost(plan).seconds != pytest.approx(costs.plan_cost(plan).seconds, rel=0.01)
+    world_only = costs.fitted([(plans[0], {"world": 1.5})])  # a phase none reports keeps its price
+    assert world_only.phase_seconds(plans[1]) == {**costs.phase_seconds(plans[1]), "world": pytest.approx(1.5)}
+
+
+def test_parcae_charges_a_change_as_an_engine_restart():
+    """(1,6) -> (1,7) with a joiner, as Parcae's artifact charges it: rendezvous, its
+    engine's 16 groups at the new-worker rate, a process start, the 7-layer build and the
+    bytes the last new stage lacks; an intra-stage shrink pays the groups at the
+    survivors' rate and a process start, nothing else."""
+    c, layer = CONSTANTS, GPT_1_5B.unit("layer.0").params
+    costs = ParcaeCostModel(CONSTANTS, GPT_1_5B)
+    old = gpt_layout(1, 6, 1)
+    plan = plan_migration(MigrationRequest(old, old.workers, frozenset(), frozenset({6})),
+                          Parallelism(1, 7, 1, balanced_partition(48, 7)), GPT_1_5B)
+    cost = costs.plan_cost(plan)
+    assert not cost.restart and cost.staging_seconds == 0
+    assert cost.world_seconds == pytest.approx(c.rendezvous_seconds + c.world_init_seconds + c.process_start_seconds)
+    assert cost.groups_seconds == pytest.approx(16 * c.group_create_seconds_with_new_worker)
+    assert cost.build_seconds == pytest.approx(7 * layer * c.model_build_seconds_per_param
+                                               + c.transfer_seconds(50257 * 1024 * 4))
+    assert cost.transfer_seconds > 0
+    assert 18 < cost.seconds < 23  # the artifact charges 20.6 s (its stages split the model a little apart)
+    assert cost.seconds > 2 * MigrationCostModel(CONSTANTS, GPT_1_5B).plan_cost(plan).seconds
+    old = gpt_layout(1, 8, 2)
+    plan = plan_migration(MigrationRequest(old, old.workers - {15}, frozenset({15}), frozenset()),
+                          Parallelism(1, 8, 1, old.stage_layers), GPT_1_5B)
+    cost = costs.plan_cost(plan)
+    assert plan.kind == "intra-stage" and cost.build_seconds == cost.transfer_seconds == 0
+    assert cost.seconds == pytest.approx(c.world_init_seconds + c.process_start_seconds
+                                         + 18 * c.group_create_seconds_survivors_only)
+
+
+def test_parcae_cost_model_is_chosen_by_name_and_has_no_tensor_parallelism():
+    def stack(model, rates):
+        return build_liveput(ProfileTable(rates, "tiny", 12, TINY), CONSTANTS, lookahead=2,
+                             distributed_optimizer=False, gpus_per_instance=2, cost_model=model)
+
+    assert type(stack("parcae", TINY_RATES).costs) is ParcaeCostModel
+    assert type(stack("megatron-parcae", TINY_RATES).costs) is MigrationCostModel
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        stack("parcae", {**TINY_RATES, (2, 1, 1): 1.5})
+    with pytest.raises(ValueError, match="unknown cost model 'deepspeed'"):
+        stack("deepspeed", TINY_RATES)
 
 
 def test_lost_stage_without_notice_means_restart():
@@ -244,14 +323,18 @@ def test_wipe_probability_matches_sampling():
     assert wipe_probability(4, 3, 2) == 0.0
 
 
-@pytest.mark.parametrize("gpus, grace", [(1, 120), (2, 120), (2, 0)])
-def test_change_floor_is_below_every_priced_change(gpus, grace):
+@pytest.mark.parametrize("gpus, grace, model", [(1, 120, MigrationCostModel), (2, 120, MigrationCostModel),
+                                                (2, 0, MigrationCostModel), (1, 120, ParcaeCostModel),
+                                                (1, 0, ParcaeCostModel)])
+def test_change_floor_is_below_every_priced_change(gpus, grace, model):
     """The optimizer skips a change by its floor, so no priced change may cost less."""
     sizes = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 2),
              (1, 4, 2), (2, 4, 1)]
+    if model is ParcaeCostModel:
+        sizes = [s for s in sizes if s[0] == 1] + [(1, 1, 3), (1, 2, 3), (1, 1, 4)]
     table = OnInstances(ProfileTable({key: float(i + 1) for i, key in enumerate(sizes)}, "tiny", 12, TINY), gpus)
     constants = dataclasses.replace(CONSTANTS, grace_period_seconds=grace)
-    scenarios = ScenarioCosts(table, MigrationCostModel(constants, TINY), gpus)
+    scenarios = ScenarioCosts(table, model(constants, TINY), gpus)
     for old, new in itertools.product(table.layouts(), repeat=2):
         floor = scenarios.change_floor(old, new)
         assert scenarios.change_floor(None, new) <= floor

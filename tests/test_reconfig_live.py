@@ -15,6 +15,7 @@ from helpers import (SMALL_GPT, assert_close, assert_same_state, computed_folder
                      torchrun)
 from megatron_parcae import events
 from megatron_parcae.training.arguments import ArgumentError, parse_args
+from reconfig.phases import EXPORT, PHASES
 from reconfig.schedule import LayoutChange, parse_layout_schedule
 
 ITERS = 12
@@ -43,6 +44,9 @@ def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, 
     run = torchrun("pretrain_gpt.py", nproc, SMALL_GPT + layout_flags(1, pp) + extra + [
         "--train-iters", str(iters), "--parcae", "--parcae-layout-schedule", schedule], timeout=300)
     found = losses(run)
+    for change in run.of(events.LayoutChange):  # timed phase by phase, within the change's own seconds
+        assert set(PHASES) - {EXPORT} <= change.phases.keys() <= set(PHASES), change
+        assert min(change.phases.values()) >= 0 and sum(change.phases.values()) <= change.seconds, change
     changes = [(c.iteration, c.kind, (c.tp, c.pp, c.dp), c.bytes_planned, c.process_groups, c.resident_mib)
                for c in run.of(events.LayoutChange)]
     saves = [s.iteration for s in run.of(events.Save)]

@@ -4,6 +4,7 @@ published figures, policy sanity, CLI output and errors, cluster sizing."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -13,12 +14,13 @@ import yaml
 
 from megatron_parcae.cli import main
 from megatron_parcae.control.coordinator import CoordinatorConfig
-from megatron_parcae.liveput.cost import CostConstants
+from megatron_parcae.liveput.cost import CostConstants, ParcaeCostModel
 from megatron_parcae.liveput.factory import build_liveput
 from megatron_parcae.tools import simulate
 from megatron_parcae.tools.simulate import Replay, Simulation
 from megatron_parcae.tools.plan import Sizer, cycled
 from predictor.traces import AvailabilityTrace
+from reconfig.layout import Parallelism, balanced_partition, layer_unit
 
 import helpers
 
@@ -28,14 +30,15 @@ BERT = str(helpers.ANCHORS / "bert.csv")
 # Parcae's artifact on aws-p3, GPT-1.5B, global batch 128 (benchmarks/anchors/parcae/README.md)
 PARCAE_IDEAL = {"hh": 143547.3, "hl": 149501.6, "lh": 108432.9, "ll": 103787.5}
 PARCAE_THROUGHPUT = {"hh": 107545.2, "hl": 124158.5, "lh": 73255.3, "ll": 98820.4}
+PARCAE_LIVEPUT = {"hh": 134663.7, "hl": 139415.4, "lh": 100321.9, "ll": 101884.6}  # true availability
 SEGMENTS = {"hh": (5.5, 6.5), "hl": (1.5, 2.5), "lh": (8.0, 9.0), "ll": (10.0, 11.0)}
 
 
-def simulation(segment: str, lookahead: int = 8) -> Simulation:
+def simulation(segment: str, lookahead: int = 8, cost_model: str = "megatron-parcae") -> Simulation:
     constants = CostConstants.load()
     replay = Replay.load(P3, constants.interval_seconds, *SEGMENTS[segment])
     return Simulation(replay, build_liveput(GPT, constants, model="gpt-1.5b", lookahead=lookahead,
-                                            distributed_optimizer=False))
+                                            distributed_optimizer=False, cost_model=cost_model))
 
 
 @pytest.mark.parametrize("segment", sorted(SEGMENTS))
@@ -70,6 +73,63 @@ def test_simulate_json_report(capsys):
     assert report["decision_ms"]["p50"] <= report["decision_ms"]["p99"]
 
 
+def test_parcae_cost_model_compares_liveput_on_parcaes_own_costs(capsys):
+    """Parcae's charges restart its engine on every change, so its liveput trains less than
+    ours on the same segment, the reactive baseline is priced alike, and on "ll" it reaches
+    what the artifact's optimizer reaches (benchmarks/results/simulate_parcae_costs.txt)."""
+    reports = {}
+    for model in ("megatron-parcae", "parcae"):
+        assert main(["simulate", "--trace", P3, "--start-hour", "10", "--end-hour", "11", "--profile", GPT,
+                     "--policies", "throughput,parcae-oracle", "--cost-model", model, "--json"]) == 0
+        reports[model] = json.loads(capsys.readouterr().out)["policies"]
+    ours, parcae = reports["megatron-parcae"], reports["parcae"]
+    assert parcae["throughput"] == ours["throughput"]
+    assert parcae["throughput"]["samples"] < parcae["parcae-oracle"]["samples"] < ours["parcae-oracle"]["samples"]
+    assert parcae["parcae-oracle"]["samples"] >= PARCAE_LIVEPUT["ll"]
+
+
+def test_draws_report_the_mean_over_preemption_draws(capsys):
+    """Parcae's artifact charges a change at its mean over its draws of which instances
+    are preempted; --draws K replays K seeded draws and reports each policy's mean."""
+    args = ["simulate", "--trace", P3, "--start-hour", "8", "--end-hour", "8.5", "--profile", GPT, "--lookahead", "4",
+            "--policies", "ideal,parcae-oracle", "--cost-model", "parcae", "--json"]
+    reports = []
+    for seeds in (["--seed", "1", "--draws", "2"], ["--seed", "1"], ["--seed", "2"]):
+        assert main([*args, *seeds]) == 0
+        reports.append(json.loads(capsys.readouterr().out)["policies"])
+    mean, *draws = reports
+    samples = [d["parcae-oracle"]["samples"] for d in draws]
+    assert samples[0] != samples[1]  # the draws differ, so the mean says something
+    assert mean["parcae-oracle"]["samples"] == pytest.approx(sum(samples) / 2, abs=0.1)
+    assert mean["ideal"] == draws[0]["ideal"] == draws[1]["ideal"]
+
+
+def test_parcae_costs_split_and_build_the_model_as_parcaes_engine():
+    """Parcae's engine splits GPT-1.5B into 50 blocks (embeddings, 48 layers, output):
+    over 8 stages 7, 6, 6, 6, 6, 6, 7, 6 of them, over 14 stages 4, 3 x 5, 4 x 7, 3; and
+    its restart builds ceil(48 / P) layers a stage, not megatron-core's split (6 over 14)."""
+    constants = CostConstants.load()
+    shape = constants.model("gpt-1.5b")
+    costs = ParcaeCostModel(constants, shape)
+    p8, p14 = (Parallelism(1, pp, 1, balanced_partition(48, pp)) for pp in (8, 14))
+    assert [len(stage) for stage in costs.stage_bytes(p8)] == [7, 6, 6, 6, 6, 6, 7, 6]
+    assert [len(stage) for stage in costs.stage_bytes(p14)] == [4] + [3] * 5 + [4] * 7 + [3]
+    assert max(p14.stage_layers) == 6
+    build = costs.engine_restart(p14, joining=False).build_seconds
+    assert build == pytest.approx(4 * shape.unit(layer_unit(0)).params * constants.model_build_seconds_per_param
+                                  + constants.transfer_seconds(shape.vocab_size * shape.max_position_embeddings * 4))
+
+
+@pytest.mark.parametrize("cost_model", ["megatron-parcae", "parcae"])
+def test_the_optimizers_top_layouts_train_what_a_search_of_every_layout_trains(cost_model):
+    """factory.CANDIDATES, checked on "ll" (all four segments, and what fewer would lose:
+    benchmarks/results/simulate_parcae_costs.txt)."""
+    sim = simulation("ll", cost_model=cost_model)
+    every = dataclasses.replace(sim.liveput, candidates=len(sim.liveput.throughput.layouts()))
+    assert sim.liveput.candidates < len(sim.liveput.throughput.layouts())
+    assert sim.run("parcae-oracle").samples == pytest.approx(Simulation(sim.replay, every).run("parcae-oracle").samples)
+
+
 def test_simulate_plot(tmp_path, capsys):
     out = tmp_path / "timeline.png"
     assert main(["simulate", "--trace", P3, "--start-hour", "1", "--end-hour", "1.2", "--profile", BERT,
@@ -83,7 +143,10 @@ def test_simulate_plot(tmp_path, capsys):
     (["--trace", P3, "--profile", GPT, "--policies", "ideal,fastest"], "unknown fastest"),
     (["--trace", P3, "--profile", GPT, "--start-hour", "20", "--end-hour", "21"], "select no interval"),
     (["--trace", P3, "--profile", GPT, "--lookahead", "0"], "--lookahead must be at least 1"),
+    (["--trace", P3, "--profile", GPT, "--draws", "0"], "--draws must be at least 1"),
     (["--trace", P3, "--profile", GPT, "--model", "gpt-175b"], "no shape for model 'gpt-175b'"),
+    (["--trace", P3, "--profile", str(helpers.REPO / "configs/profiles/gpt-1.5b-h100-tp.json"),
+      "--gpus-per-instance", "4", "--cost-model", "parcae"], "no tensor parallelism"),
 ])
 def test_simulate_errors_are_clear(capsys, args, message):
     assert main(["simulate", *args]) == 2

@@ -4,8 +4,8 @@ Two ways to change layout are priced (the assumptions the constants encode):
 
 In place (`MigrationCostModel.plan_cost`), what megatron-parcae's executor does; the
 planner's `MigrationPlan` says who moves which bytes, and the time is
-- world: re-initialising the world (`world_init_seconds`, a store handshake among
-  processes that already run) whenever its members or slots change. No rendezvous
+- world: releasing the old layout and re-initialising the world (`world_init_seconds`,
+  a store handshake among processes that already run) whenever its members or slots change. No rendezvous
   round is paid: a new instance starts its process and registers in etcd in the
   background while training goes on, and the coordinator admits only registered
   workers, at an iteration boundary (Parcae's `rendezvous_seconds`, its torchelastic
@@ -21,24 +21,29 @@ planner's `MigrationPlan` says who moves which bytes, and the time is
   the rank whose groups take longest sets the time. Parcae's artifact charges every
   group of the job one after another (D + P + 1 + D*P of its DeepSpeed engine); only
   `reactive_restart_cost`, its baseline, is priced that way;
-- model build: a worker whose stage or TP rank changes builds its new model chunk,
-  `model_build_seconds_per_param` per transformer-layer parameter it holds (Parcae's
-  build time is per layer; embeddings are single tensors, cheap to allocate); workers
-  build in parallel, the slowest counts. A worker keeping its slot's state keeps its
-  chunk. A joining worker (standby or new) is idle: it builds as soon as the plan is
-  published, while the old layout trains on, unless some worker was lost without
-  notice (then nothing trains until the new layout runs, and its build counts);
+- model build: every worker of the new layout builds its model chunk, as the executor
+  (reconfig/execute.py) drops the old layout and builds the new one on every change,
+  `model_build_seconds_per_param` per parameter of its stage's transformer layers (each
+  weight is drawn whole, then sliced for its TP rank; Parcae's build time is per layer;
+  embeddings are single tensors, cheap to allocate); workers build in parallel, the
+  slowest counts;
 - state transfer: a byte between two instances crosses the network, where each
   instance's NIC carries what its workers send and what they receive (full duplex),
   timed by the measured p2p table (`p2p_bytes_to_microseconds`); a byte between two
   workers of one instance (the plan's `placement` says which) crosses the instance's own
   GPU links (NVLink or PCIe), `intra_instance_bytes_per_second` for what each worker
   sends and for what it receives. Both kinds run side by side: the busiest NIC or GPU
-  link sets the time. With one GPU per instance every byte takes the network. Receivers
-  take the bytes into staging buffers while they build their chunk, so build and
-  transfer overlap: the longer of the two counts.
+  link sets the time. With one GPU per instance every byte takes the network;
+- staging: held state goes to host memory before the old layout is dropped and into
+  the new one once built (`host_copy_bytes_per_second`).
+The executor does these one after another (every state is received before the new
+layout is built), so the parts add up. They are the phases the executor times and each
+change's event reports (reconfig/phases.py: export and import are the staging, build
+the groups and the model): `phase_seconds` predicts each, and `fitted` gives the model
+whose rates (seconds per byte, per group, per parameter, per change) are fitted on
+measured phases; a phase so fitted is priced at its rates, the others by the constants.
 No process restarts, no checkpoint is read: an intra-stage change (a survivor takes a
-lost rank's place, or D shrinks) costs only the world and its groups.
+lost rank's place, or D shrinks) moves no state.
 
 Checkpoint restart (`restart_cost`), what is left when state is lost (a stage with no
 live replica and no notice, or a leaving worker that cannot send its state within the
@@ -50,20 +55,26 @@ serves them all at once). A cold start (the job starts, or a replay starts mid-t
 in Parcae's simulator) is a restart with nothing to save. `reactive_restart_cost` is a
 restart of Parcae's engine, priced as Parcae's artifact prices its reactive baseline
 (its DeepSpeed engine's group count, every stage's state reloaded in turn).
+
+`ParcaeCostModel` prices every change as Parcae's artifact does, from the same constants.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import nnls
 
-from reconfig.layout import ModelShape, Parallelism
+from reconfig import phases
+from reconfig.layout import HEAD, POSITION_EMBEDDING, WORD_EMBEDDING, ModelShape, Parallelism, layer_unit
 from reconfig.plan import MigrationPlan
 
 DEFAULT_CONSTANTS = Path(__file__).with_name("parcae_cost_constants.json")
@@ -176,11 +187,9 @@ class CostConstants:
 
 @dataclass(frozen=True)
 class MigrationCost:
-    """Seconds a layout change takes, by part; `restart` when state had to come from a checkpoint.
-
-    In place, building chunks overlaps receiving state, and held state goes to host memory
-    and back (`staging_seconds`); a restart builds, then reloads.
-    """
+    """Seconds a layout change takes, by part; `restart` when state had to come from a
+    checkpoint. The parts happen one after another: held state goes to host memory and
+    back (`staging_seconds`), state arrives, then the new layout is built."""
 
     world_seconds: float
     groups_seconds: float
@@ -191,10 +200,8 @@ class MigrationCost:
 
     @property
     def seconds(self) -> float:
-        if self.restart:
-            return self.world_seconds + self.groups_seconds + self.build_seconds + self.transfer_seconds
-        return (self.world_seconds + self.groups_seconds + self.staging_seconds
-                + max(self.build_seconds, self.transfer_seconds))
+        return (self.world_seconds + self.groups_seconds + self.staging_seconds + self.build_seconds
+                + self.transfer_seconds)
 
 
 NO_COST = MigrationCost(0.0, 0.0, 0.0, 0.0)
@@ -227,24 +234,33 @@ def rank_groups(parallelism: Parallelism, joined: np.ndarray) -> tuple[np.ndarra
     return groups.ravel(), with_new.ravel()
 
 
-class MigrationCostModel:
-    """Seconds of training lost to a layout change, for one model on one kind of cluster."""
+PhaseRates = Mapping[str, Mapping[str, float]]  # phase -> quantity it grows with -> seconds per unit
 
-    def __init__(self, constants: CostConstants, shape: ModelShape):
+
+class MigrationCostModel:
+    """Seconds of training lost to a layout change, for one model on one kind of cluster;
+    `phase_rates` (see `fitted`) price the phases of an in-place change they name."""
+
+    # Whether a change always moves at least the state its new stages lack: the optimizer
+    # prunes with that bound; Parcae's charges move bytes by their own rule and do not.
+    moves_missing_state = True
+
+    def __init__(self, constants: CostConstants, shape: ModelShape, phase_rates: PhaseRates | None = None):
         self.constants = constants
         self.shape = shape
+        self.phase_rates = {phase: dict(rates) for phase, rates in (phase_rates or {}).items()}
         self._layer_params: dict[tuple[Parallelism, int], float] = {}
         self._state_bytes: dict[Parallelism, float] = {}
-        self._same_chunk: dict[tuple[Parallelism, Parallelism], np.ndarray] = {}
 
     def layer_params(self, parallelism: Parallelism, stage: int) -> float:
-        """Transformer-layer parameters held by one rank of `stage` (its TP share)."""
+        """Transformer-layer parameters a rank of `stage` builds: all of them whatever its
+        TP rank, as it draws every weight whole and keeps its slice
+        (reconfig/tensors.initialize_deterministically)."""
         key = (parallelism, stage)
         params = self._layer_params.get(key)
         if params is None:
             params = self._layer_params[key] = sum(
-                u.split_params / parallelism.tp + u.replicated_params
-                for u in parallelism.stage_units(self.shape, stage) if u.name.startswith("layer."))
+                u.params for u in parallelism.stage_units(self.shape, stage) if u.name.startswith("layer."))
         return params
 
     def groups_seconds(self, parallelism: Parallelism, joined: np.ndarray) -> float:
@@ -257,25 +273,74 @@ class MigrationCostModel:
 
     def plan_cost(self, plan: MigrationPlan) -> MigrationCost:
         """Cost of carrying out `plan` in place; a restart when the grace period is too short."""
-        c, old, new = self.constants, plan.request.old, plan.new
+        old, new = plan.request.old, plan.new
         if new == old:
             return NO_COST
-        transfer, leaving = self._transfer_seconds(plan)
-        stage_out = self.state_bytes(old.parallelism) / c.host_copy_bytes_per_second
-        if stage_out + leaving > c.grace_period_seconds:
+        terms, leaving = self._terms(plan)
+        if terms[phases.EXPORT]["bytes"] + leaving > self.constants.grace_period_seconds:
             return self.restart_cost(new.parallelism, joining=bool(new.workers - old.workers))
-        workers = old.workers
-        old_rank = np.array([old.rank_of(w) if w in workers else -1 for w in new.slots])
-        joined = old_rank < 0
-        stopped = bool(plan.request.lost)  # the old layout cannot train while joiners get ready
-        rebuilds = self._rebuilds(old.parallelism, new.parallelism, old_rank)
-        if not stopped:
-            rebuilds &= ~joined  # idle joiners build before the switch
-        stages = np.arange(new.parallelism.world_size) // (new.tp * new.dp)
-        build = max((self.layer_params(new.parallelism, int(s)) for s in np.unique(stages[rebuilds])), default=0.0)
-        return MigrationCost(c.world_init_seconds, self.groups_seconds(new.parallelism, joined),
-                             build * c.model_build_seconds_per_param, transfer,
-                             staging_seconds=stage_out + self.state_bytes(new.parallelism) / c.host_copy_bytes_per_second)
+        return MigrationCost(sum(terms[phases.WORLD].values()), terms[phases.BUILD]["groups"],
+                             terms[phases.BUILD]["parameters"], sum(terms[phases.EXCHANGE].values()),
+                             staging_seconds=terms[phases.EXPORT]["bytes"] + terms[phases.IMPORT]["bytes"])
+
+    def phase_quantities(self, plan: MigrationPlan) -> dict[str, dict[str, float]]:
+        """What each phase of carrying out `plan` in place grows with: the bytes of state
+        one rank holds most of, in the old layout (export) and the new (import); one change
+        (world: the old layout's release, WORLD, the agreement on progress); the bytes
+        through the busiest NIC or GPU link (exchange); the groups of the busiest rank and
+        the transformer-layer parameters of the largest stage (build)."""
+        return self._phases(plan)[0]
+
+    def phase_seconds(self, plan: MigrationPlan) -> dict[str, float]:
+        """Seconds of each phase of carrying out `plan` in place (reconfig/phases.py), to
+        set beside the phases its LayoutChange event reports; they add up to
+        `plan_cost(plan).seconds` unless that is a restart."""
+        return {phase: sum(seconds.values()) for phase, seconds in self._terms(plan)[0].items()}
+
+    def _terms(self, plan: MigrationPlan) -> tuple[dict[str, dict[str, float]], float]:
+        """(seconds of each phase by the quantity it grows with, seconds until the leaving
+        workers' bytes are out): at a phase's fitted rates where it has them."""
+        quantities, priced, leaving = self._phases(plan)
+        for phase, rates in self.phase_rates.items():
+            priced[phase] = {name: rates[name] * amount for name, amount in quantities[phase].items()}
+        return priced, leaving
+
+    def _phases(self, plan: MigrationPlan) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]], float]:
+        """(the quantities of `phase_quantities`, their seconds as the constants price them
+        (the p2p table, the two group rates), the leaving workers' seconds)."""
+        c, old, new = self.constants, plan.request.old, plan.new
+        network, local, busiest = self._link_loads(plan)
+        transfer, leaving = self._transfer_seconds(plan, network, local)
+        joined = np.array([w not in old.workers for w in new.slots])
+        held_old, held_new = self.state_bytes(old.parallelism), self.state_bytes(new.parallelism)
+        params = max(self.layer_params(new.parallelism, s) for s in range(new.pp))
+        quantities = {phases.EXPORT: {"bytes": held_old}, phases.WORLD: {"changes": 1.0},
+                      phases.EXCHANGE: {"bytes": float(busiest)},
+                      phases.BUILD: {"groups": float(rank_groups(new.parallelism, joined)[0].max()),
+                                     "parameters": params},
+                      phases.IMPORT: {"bytes": held_new}}
+        priced = {phases.EXPORT: {"bytes": held_old / c.host_copy_bytes_per_second},
+                  phases.WORLD: {"changes": c.world_init_seconds},
+                  phases.EXCHANGE: {"bytes": transfer},
+                  phases.BUILD: {"groups": self.groups_seconds(new.parallelism, joined),
+                                 "parameters": params * c.model_build_seconds_per_param},
+                  phases.IMPORT: {"bytes": held_new / c.host_copy_bytes_per_second}}
+        return quantities, priced, leaving
+
+    def fitted(self, observed: Sequence[tuple[MigrationPlan, Mapping[str, float]]]) -> MigrationCostModel:
+        """This model with the rates of each phase fitted on the measured phases of
+        carried-out plans (a LayoutChange's `phases`), by non-negative least squares over
+        all of them, whatever their kind; a phase none reports keeps its price."""
+        rates: dict[str, dict[str, float]] = {}
+        for phase in phases.PHASES:
+            rows = [(self.phase_quantities(plan)[phase], measured[phase])
+                    for plan, measured in observed if phase in measured]
+            if rows:
+                names = list(rows[0][0])
+                solution, _ = nnls(np.array([[q[n] for n in names] for q, _ in rows]),
+                                   np.array([seconds for _, seconds in rows]))
+                rates[phase] = dict(zip(names, map(float, solution)))
+        return MigrationCostModel(self.constants, self.shape, {**self.phase_rates, **rates})
 
     def state_bytes(self, parallelism: Parallelism) -> float:
         """The most training state one rank of `parallelism` holds (its stage's TP share).
@@ -288,41 +353,31 @@ class MigrationCostModel:
                 for s in range(parallelism.pp)) * self.shape.state_bytes_per_param
         return held
 
-    def _transfer_seconds(self, plan: MigrationPlan) -> tuple[float, float]:
-        """(seconds until every byte of `plan` has arrived, seconds until the leaving
-        workers' bytes are out: their grace period must cover it). Bytes between instances
-        load the NICs of both instances, bytes inside one the GPU links of both workers."""
-        c, instance = self.constants, plan.request.placement.instance
-        network: dict[tuple[str, bool], int] = {}  # (instance, sends) -> bytes through its NIC
-        local: dict[tuple[int, bool], int] = {}  # (worker, sends) -> bytes over its instance's GPU links
+    def _link_loads(self, plan: MigrationPlan) -> tuple[dict[tuple[str, bool], int], dict[tuple[int, bool], int], int]:
+        """(bytes through each instance's NIC by (instance, sends), bytes over each worker's
+        GPU links by (worker, sends), the most of either). Bytes between instances load the
+        NICs of both instances, bytes inside one the GPU links of both workers."""
+        instance = plan.request.placement.instance
+        network: dict[tuple[str, bool], int] = {}
+        local: dict[tuple[int, bool], int] = {}
         for (src, dst), nbytes in plan.bytes_by_link().items():
             here, there = instance(src), instance(dst)
             load, ends = (local, (src, dst)) if here == there else (network, (here, there))
             load[ends[0], True] = load.get((ends[0], True), 0) + nbytes
             load[ends[1], False] = load.get((ends[1], False), 0) + nbytes
+        return network, local, max([*network.values(), *local.values()], default=0)
+
+    def _transfer_seconds(self, plan: MigrationPlan, network: dict[tuple[str, bool], int],
+                          local: dict[tuple[int, bool], int]) -> tuple[float, float]:
+        """(seconds until every byte of `plan` has arrived, seconds until the leaving
+        workers' bytes are out: their grace period must cover it), from `_link_loads`."""
+        c, instance = self.constants, plan.request.placement.instance
         busiest = max(c.transfer_seconds(max(network.values(), default=0)),
                       c.intra_instance_seconds(max(local.values(), default=0)))
         leaving = max((max(c.transfer_seconds(network.get((instance(w), True), 0)),
                            c.intra_instance_seconds(local.get((w, True), 0))) for w in plan.request.leaving),
                       default=0.0)
         return busiest, leaving
-
-    def _rebuilds(self, old: Parallelism, new: Parallelism, old_rank: np.ndarray) -> np.ndarray:
-        """Per new rank: whether its worker builds a model chunk (it joins, or its stage's
-        layers, its first/last role or its TP slice change)."""
-        same_chunk = self._same_chunk.get((old, new))
-        if same_chunk is None:
-            def chunks(p: Parallelism) -> list[tuple]:
-                return [(p.layers_of_stage(s), s == 0, s == p.pp - 1, p.tp) for s in range(p.pp)]
-
-            old_chunks, new_chunks = chunks(old), chunks(new)
-            same_chunk = np.array([[a == b for b in new_chunks] for a in old_chunks])  # (P_old, P_new)
-            self._same_chunk[old, new] = same_chunk
-        ranks = np.arange(new.world_size)
-        new_stage, new_tp = ranks // (new.tp * new.dp), ranks % new.tp
-        safe = np.maximum(old_rank, 0)
-        keeps = (old_rank >= 0) & same_chunk[safe // (old.tp * old.dp), new_stage] & (safe % old.tp == new_tp)
-        return ~keeps
 
     def restart_cost(self, target: Parallelism, joining: bool, cold: bool = False) -> MigrationCost:
         """Cost of stopping every process and resuming `target` from a checkpoint; `cold`:
@@ -349,3 +404,125 @@ class MigrationCostModel:
         build = max(self.layer_params(target, s) for s in range(target.pp)) * c.model_build_seconds_per_param
         save_load = 0.0 if cold else c.checkpoint_save_load_seconds
         return MigrationCost(world, groups_seconds, build, save_load + reload_seconds, restart=True)
+
+
+class ParcaeCostModel(MigrationCostModel):
+    """The charges of Parcae's artifact (its liveput simulator), from the same constants:
+    `--cost-model parcae`, so that liveput is compared with Parcae's on its own costs.
+
+    Its engine (DeepSpeed, no tensor parallelism) restarts its communication on every
+    change, and any change but an intra-stage one rebuilds every stage. An *engine
+    restart* of layout (D, P) costs the rendezvous when workers join, the world's
+    initialisation, D + P + 1 + D*P process groups one after another (at the new-worker
+    rate when workers join, the survivors' rate otherwise), a process start and the
+    model build (ceil(L / P) transformer layers' parameters at the per-parameter rate,
+    plus one message of vocabulary x positions fp32 values). A change then costs:
+    - intra-stage (same P, every stage keeps at least the new D replicas): the world's
+      initialisation, the groups at the survivors' rate and a process start;
+    - inter-stage (same P, some stage short of replicas): the largest stage that needs a
+      replica sent, or the stages left with no replica (and the last stage, left with
+      one) sent one after another if that is longer, plus an engine restart;
+    - repartition (P changes): new stages in order take the free survivor that holds
+      most of them (the first such in Parcae's order of nodes), and the bytes the last one
+      is missing are charged, plus, when D > 1,
+      the largest new stage sent to its replicas, plus an engine restart.
+    Messages are timed by the p2p table, a stage's state (the model split as Parcae
+    splits it, `stage_bytes`) by the model's bytes per parameter (12 for Parcae's
+    tables: fp32 weights and Adam's two moments). Changes are
+    priced in expectation over preemptions by the same scenarios as ours.
+    """
+
+    moves_missing_state = False
+
+    def __init__(self, constants: CostConstants, shape: ModelShape):
+        super().__init__(constants, shape)
+        self._stage_bytes: dict[Parallelism, list[dict[str, float]]] = {}
+
+    def stage_bytes(self, parallelism: Parallelism) -> list[dict[str, float]]:
+        """Per stage: bytes of each block it holds, the model split as Parcae's engine
+        splits it (not as megatron-core does): its blocks are the embeddings, each layer and
+        the output layer (tied word embedding and head); with B blocks, every stage takes
+        (B - 1) // P of them, the first one more, and the (B - 1) % P left over go one each
+        to the stages before the last, nearest it first."""
+        found = self._stage_bytes.get(parallelism)
+        if found is None:
+            if parallelism.tp != 1:
+                raise ValueError(f"Parcae's cost model has no tensor parallelism (layout {parallelism})")
+            shape, pp = self.shape, parallelism.pp
+            output = shape.unit(HEAD).params + (shape.unit(WORD_EMBEDDING).params if shape.tied_embeddings else 0)
+            blocks = [("embedding", shape.unit(WORD_EMBEDDING).params + shape.unit(POSITION_EMBEDDING).params)]
+            blocks += [(name, shape.unit(name).params) for name in map(layer_unit, range(shape.num_layers))]
+            blocks.append(("output", output))
+            share, left = divmod(len(blocks) - 1, pp)
+            counts = [share + (s == 0) + (pp - 1 - left <= s < pp - 1) for s in range(pp)]
+            starts = np.cumsum([0] + counts)
+            found = self._stage_bytes[parallelism] = [
+                {name: params * shape.state_bytes_per_param for name, params in blocks[starts[s]:starts[s + 1]]}
+                for s in range(pp)]
+        return found
+
+    def engine_groups(self, parallelism: Parallelism) -> int:
+        """Process groups Parcae's engine creates, one after another."""
+        return parallelism.dp + parallelism.pp + 1 + parallelism.dp * parallelism.pp
+
+    def engine_restart(self, parallelism: Parallelism, joining: bool) -> MigrationCost:
+        """What restarting Parcae's engine into `parallelism` costs, before any state moves."""
+        c = self.constants
+        rate = c.group_create_seconds_with_new_worker if joining else c.group_create_seconds_survivors_only
+        world = (c.rendezvous_seconds if joining else 0.0) + c.world_init_seconds + c.process_start_seconds
+        # Parcae builds ceil(layers / P) layers per stage, whatever its split of the state
+        layers = math.ceil(self.shape.num_layers / parallelism.pp) * self.shape.unit(layer_unit(0)).params
+        build = layers * c.model_build_seconds_per_param + c.transfer_seconds(
+            self.shape.vocab_size * self.shape.max_position_embeddings * 4)
+        return MigrationCost(world, self.engine_groups(parallelism) * rate, build, 0.0)
+
+    def plan_cost(self, plan: MigrationPlan) -> MigrationCost:
+        """Parcae's charge for the change `plan` makes (who moves which bytes is Parcae's
+        rule, not the plan's)."""
+        c, old, new = self.constants, plan.request.old, plan.new
+        if new == old:
+            return NO_COST
+        before, after = old.parallelism, new.parallelism
+        survivors = plan.request.survivors
+        # each survivor's old stage, in Parcae's order of nodes: replica by replica, stage by stage
+        held = [s.pp for s in sorted((before.slot(old.rank_of(w)) for w in survivors), key=lambda s: (s.dp, s.pp))]
+        if after.pp == before.pp and after.stage_layers == before.stage_layers:
+            replicas = np.bincount(held, minlength=before.pp)
+            if replicas.min() >= after.dp:
+                return MigrationCost(c.world_init_seconds + c.process_start_seconds,
+                                     self.engine_groups(after) * c.group_create_seconds_survivors_only, 0.0, 0.0)
+            sizes = [c.transfer_seconds(sum(units.values())) for units in self.stage_bytes(after)]
+            short = [s for s in range(after.pp) if replicas[s] < after.dp]
+            emptied = [s for s in short if replicas[s] == 0 or (s == after.pp - 1 and replicas[s] == 1)]
+            transfer = max(max(sizes[s] for s in short), sum(sizes[s] for s in emptied))
+        else:
+            old_stages, new_stages = self.stage_bytes(before), self.stage_bytes(after)
+            free = [old_stages[s] for s in held]
+            lacking = 0.0
+            for units in new_stages:  # each new stage takes the free survivor holding most of it
+                total = sum(units.values())
+                kept = [sum(b for name, b in units.items() if name in have) for have in free]
+                lacking = total - max(kept, default=0.0)
+                if kept:
+                    free.pop(int(np.argmax(kept)))
+            transfer = c.transfer_seconds(lacking)  # the artifact charges the last stage's bytes
+            if after.dp > 1:
+                transfer += max(c.transfer_seconds(sum(units.values())) for units in new_stages)
+        restart = self.engine_restart(after, joining=after.world_size > len(survivors))
+        return dataclasses.replace(restart, transfer_seconds=transfer)
+
+    def restart_cost(self, target: Parallelism, joining: bool, cold: bool = False) -> MigrationCost:
+        """A cold start is a repartition from nothing: an engine restart with every worker
+        joining, plus the largest stage sent to its replicas when D > 1. State lost without
+        notice (which Parcae's simulator never meets) adds saving and loading a checkpoint
+        and reading the largest stage's state."""
+        c = self.constants
+        largest = max(c.transfer_seconds(sum(units.values())) for units in self.stage_bytes(target))
+        if cold:
+            reload = largest if target.dp > 1 else 0.0
+        else:
+            reload = c.checkpoint_save_load_seconds + largest
+        return dataclasses.replace(self.engine_restart(target, joining or cold), transfer_seconds=reload, restart=True)
+
+
+COST_MODELS = {"megatron-parcae": MigrationCostModel, "parcae": ParcaeCostModel}

@@ -21,9 +21,12 @@ counted on a grid of hundredths of an interval: a long one would otherwise make 
 path a state of its own). Step 0 knows
 what happened (the actual lost and leaving workers, priced by the planner); later steps
 know the forecast. Only the first step is applied; the program is solved again at the
-next boundary. Transitions are priced lazily: a plan-free lower bound on a change's cost
-(scenarios.change_floor) skips those that cannot beat the best one found so far, so the
-result is the exact optimum of the program with far fewer plans.
+next boundary. Each step weighs the `candidates` highest-throughput layouts that fit its
+instances, and the step before's layouts that still fit (how many: factory.CANDIDATES,
+measured against a search of every layout). Transitions are priced lazily: a plan-free
+lower bound on a change's cost (scenarios.change_floor) skips those that cannot beat the
+best one found so far, so the result is the exact optimum of the program over those
+layouts with far fewer plans.
 """
 
 from __future__ import annotations

@@ -285,13 +285,17 @@ class ScenarioCosts:
     def _victims_seconds(self, old: Parallelism, new: Parallelism, victims: int) -> float:
         """Cost of old -> new after `victims` of old's instances are preempted. A change of
         T or of the stage partition re-sends nearly every worker's state whoever was
-        preempted, so it is planned without victims (fewer plans); the chance that victims
-        take every replica of a stage without notice is still counted: a stage's replicas
-        are D tensor-parallel groups, G / T of them to an instance."""
+        preempted, so it is planned without victims (fewer plans), unless the victims
+        decide whether it takes in new instances (Parcae's engine then pays a rendezvous
+        and every group at the new-worker rate); the chance that victims take every
+        replica of a stage without notice is still counted: a stage's replicas are D
+        tensor-parallel groups, G / T of them to an instance."""
         if victims == 0 and old == new:
             return 0.0
+        used = instances_used(old, self.gpus_per_instance)
         reshape = old.tp != new.tp or old.stage_layers != new.stage_layers
-        cost = self._canonical_cost(old, new, 0 if reshape else victims).seconds
+        joins_for_victims = used - victims < instances_used(new, self.gpus_per_instance) <= used
+        cost = self._canonical_cost(old, new, 0 if reshape and not joins_for_victims else victims).seconds
         if self._with_notice or victims == 0:
             return cost
         wipe = wipe_probability(old.pp, old.dp, victims, self.gpus_per_instance // old.tp)
@@ -309,7 +313,8 @@ class ScenarioCosts:
         takes in new workers: each receives a whole stage, and creates each of its groups
         at the new-worker rate (counted for planned sizes only: a reduced plan may take in
         none). Bytes take the network, or the faster of it and the instance's own links
-        when an instance has several GPUs."""
+        when an instance has several GPUs. Parcae's charges move bytes by Parcae's own rule
+        (its last new stage's only, when D is 1), so for them only the first part holds."""
         key = (old, new)
         floor = self._floors.get(key)
         if floor is not None:
@@ -318,7 +323,7 @@ class ScenarioCosts:
         slow, fast = sorted((c.group_create_seconds_survivors_only, c.group_create_seconds_with_new_worker))
         groups, _ = rank_groups(new, np.zeros(new.world_size, dtype=bool))
         floor = c.world_init_seconds + groups.max() * slow
-        if old is not None:
+        if old is not None and self.costs.moves_missing_state:
             def stage_bytes(p: Parallelism, stage: int) -> dict[str, float]:
                 return {u.name: (u.split_params / p.tp + u.replicated_params) * width
                         for u in p.stage_units(shape, stage)}

@@ -8,10 +8,10 @@ The replay starts cold, as Parcae's simulator does: at the first interval every 
 but `ideal` starts the job from a checkpoint. Each interval (the cost constants'
 `interval_seconds`, 60 s for Parcae's) starts with the trace's preemptions and
 arrivals: preempted instances are drawn uniformly among the running spot instances
-(seeded, the same draws for every policy) and get the grace period's notice when the
-constants give one. Then each policy picks the layout for the
-interval and pays its migration; what a migration leaves unfinished at the interval's
-end carries into the next. Policies:
+(seeded, the same draws for every policy; `--draws` replays several and reports means)
+and get the grace period's notice when the constants give one. Then each policy picks
+the layout for the interval and pays its migration; what a migration leaves unfinished
+at the interval's end carries into the next. Policies:
 
 - `ideal`: the highest-throughput layout for the GPUs available, changes free;
 - `throughput`: Parcae's reactive throughput-optimal baseline: the same layout, but
@@ -38,12 +38,12 @@ import random
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants
+from megatron_parcae.liveput.cost import COST_MODELS, DEFAULT_CONSTANTS, CostConstants
 from megatron_parcae.liveput.factory import LiveputStack, build_liveput
 from predictor.forecast import AvailabilityForecast, make_forecaster
 from predictor.traces import AvailabilityTrace
@@ -129,8 +129,8 @@ class PolicyRun:
     layouts: list[Parallelism | None] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)  # samples per second over each interval
     lost_seconds: float = 0.0
-    migrations: int = 0
-    restarts: int = 0
+    migrations: float = 0  # a count; a mean when averaged over draws
+    restarts: float = 0
     decision_seconds: list[float] = field(default_factory=list)  # wall clock of each decide()
     decision_cpu_seconds: list[float] = field(default_factory=list)  # this process's CPU time of each
 
@@ -138,6 +138,22 @@ class PolicyRun:
         self.layouts.append(layout)
         self.samples += rate * work_seconds
         self.rates.append(rate * work_seconds / interval)
+
+
+def averaged(runs: list[PolicyRun]) -> PolicyRun:
+    """One policy's runs over several preemption draws as one: samples, time lost, changes
+    and rates are their means (the layouts are the first draw's), decisions all of theirs.
+    Parcae's artifact charges each change at its mean over its draws, so the mean over
+    draws is what compares with its figures."""
+    if len(runs) == 1:
+        return runs[0]
+    return replace(runs[0], samples=float(np.mean([r.samples for r in runs])),
+                   lost_seconds=float(np.mean([r.lost_seconds for r in runs])),
+                   migrations=float(np.mean([r.migrations for r in runs])),
+                   restarts=float(np.mean([r.restarts for r in runs])),
+                   rates=list(np.mean([r.rates for r in runs], axis=0)),
+                   decision_seconds=[t for r in runs for t in r.decision_seconds],
+                   decision_cpu_seconds=[t for r in runs for t in r.decision_cpu_seconds])
 
 
 class Simulation:
@@ -314,8 +330,8 @@ def report(sim: Simulation, runs: dict[str, PolicyRun]) -> dict:
     return {
         "policies": {name: {"samples": round(run.samples, 1),
                             "ratio_to_ideal": round(run.samples / ideal, 4) if ideal else 0.0,
-                            "dollars": round(run.dollars, 2), "migrations": run.migrations,
-                            "restarts": run.restarts, "lost_seconds": round(run.lost_seconds, 1)}
+                            "dollars": round(run.dollars, 2), "migrations": round(run.migrations, 2),
+                            "restarts": round(run.restarts, 2), "lost_seconds": round(run.lost_seconds, 1)}
                      for name, run in runs.items()},
         "decision_ms": {"p50": round(percentile_ms(decisions, 50), 3), "p99": round(percentile_ms(decisions, 99), 3),
                         "max": round(max(decisions, default=0.0) * 1000, 3)},
@@ -364,6 +380,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model shape in the cost constants for a CSV profile (default: its '# model=' line)")
     parser.add_argument("--cost-constants", default=str(DEFAULT_CONSTANTS),
                         help="migration cost constants JSON (default: Parcae's, shipped with megatron-parcae)")
+    parser.add_argument("--cost-model", choices=tuple(COST_MODELS), default="megatron-parcae",
+                        help="who prices a layout change: megatron-parcae (this project's in-place executor) or "
+                             "parcae (what Parcae's artifact charges, to compare with its figures)")
     parser.add_argument("--lookahead", type=int, default=8, help="intervals the liveput optimizer looks ahead")
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="the job trains with --use-distributed-optimizer (as the coordinator's config says)")
@@ -372,6 +391,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "workers, tensor parallelism stays inside an instance (T divides G)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of which instances a preemption hits")
+    parser.add_argument("--draws", type=int, default=1,
+                        help="replay this many draws of which instances preemptions hit (seeds --seed, --seed + 1, "
+                             "...) and report each policy's means: Parcae's artifact charges a change at its mean "
+                             "over its draws")
     parser.add_argument("--on-demand", type=int, default=0, help="always-on on-demand instances added to the trace's")
     parser.add_argument("--spot-price", type=float, default=SPOT_PRICE, help="$ per spot instance-hour")
     parser.add_argument("--on-demand-price", type=float, default=ON_DEMAND_PRICE, help="$ per on-demand instance-hour")
@@ -386,7 +409,7 @@ def build(args: argparse.Namespace) -> tuple[Replay, LiveputStack]:
     max_workers = (int(replay.counts.max()) + max(args.on_demand, 0)) * args.gpus_per_instance
     liveput = build_liveput(args.profile, constants, model=args.model, max_workers=max_workers,
                             lookahead=args.lookahead, distributed_optimizer=args.distributed_optimizer,
-                            gpus_per_instance=args.gpus_per_instance)
+                            gpus_per_instance=args.gpus_per_instance, cost_model=args.cost_model)
     return replay, liveput
 
 
@@ -409,12 +432,17 @@ def run(args: argparse.Namespace) -> int:
         if unknown or not policies:
             raise ValueError(f"--policies: unknown {', '.join(unknown) or '(none given)'}; "
                              f"known: {', '.join(POLICIES)}")
+        if args.draws < 1:
+            raise ValueError(f"--draws must be at least 1, got {args.draws}")
         replay, liveput = build(args)
-        sim = Simulation(replay, liveput, args.seed, args.on_demand, args.spot_price, args.on_demand_price)
+        feed = ForecasterFeed(replay) if "parcae" in policies else None
+        sims = [Simulation(replay, liveput, args.seed + k, args.on_demand, args.spot_price, args.on_demand_price,
+                           feed) for k in range(args.draws)]
     except (ValueError, OSError) as exc:
         print(f"parcae simulate: error: {exc}", file=sys.stderr)
         return 2
-    runs = {p: sim.run(p) for p in policies}
+    sim = sims[0]
+    runs = {p: averaged([s.run(p) for s in sims]) for p in policies}
     result = report(sim, runs)
     if args.plot:
         plot_timeline(sim, runs, args.plot)
