@@ -229,8 +229,8 @@ def test_plan_answers_in_instances(tmp_path, capsys):
 @pytest.mark.slow
 def test_liveput_on_instances_of_four_gpus_stays_near_ideal():
     """Parcae's four aws-p3 segments with instances of 4 GPUs (up to 128 GPUs, T up to 4):
-    benchmarks/results/simulate_g4.txt. Measured: 97.8% (hh), 98.3% (hl), 97.4% (lh) and
-    99.3% (ll) of ideal; Parcae's own at one GPU per instance is 93.8%, 93.3%, 92.5% and
+    benchmarks/results/simulate_g4.txt. Measured: 96.6% (hh), 97.7% (hl), 96.1% (lh) and
+    99.0% (ll) of ideal; Parcae's own at one GPU per instance is 93.8%, 93.3%, 92.5% and
     98.2%."""
     for start, end in SEGMENTS.values():
         replay = Replay.load(P3, CONSTANTS.interval_seconds, start, end)
