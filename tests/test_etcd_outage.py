@@ -24,7 +24,7 @@ def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path, n
     to save and leave within its grace period; without, once the outage bound is past. The
     coordinator gives up after the bound; each says why and exits with an error."""
     outage_s, grace_s = (24, 16) if noticed else (12, 16)  # half the grace is left for a boundary and the save
-    iters = ITERS if noticed else 1000  # without a notice, training must outlast the bound
+    iters = 1000  # training outlasts the outage: finishing first (a slow start under load) is another way out
     server = EtcdServer().start()
     processes: list[subprocess.Popen] = []
     try:
