@@ -14,16 +14,15 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
-# First: it selects the protobuf backend etcd3 needs, before anything else loads protobuf.
-from megatron_parcae.control.etcd import (  # isort: skip
-    EtcdAuthError, EtcdClient, EtcdError, EtcdGone, EtcdServer, EtcdUnavailable)
-from megatron_parcae.control.etcd.store import EtcdStore  # isort: skip
-
 import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from megatron_parcae.control.etcd import (
+    EtcdAuthError, EtcdClient, EtcdError, EtcdGone, EtcdServer, EtcdUnavailable)
+from megatron_parcae.control.etcd.store import EtcdStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -250,7 +249,7 @@ def _worker(endpoint: str, prefix: str, rank: int) -> dict:
 
 def test_three_processes_form_two_generations_of_worlds(etcd_server, client):
     prefix = f"test-store/{uuid.uuid4().hex}/"
-    env = {**os.environ, "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     workers = [subprocess.Popen([sys.executable, __file__, etcd_server.endpoint, prefix, str(rank)], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(3)]

@@ -2,9 +2,6 @@
 
 `etcd.store.EtcdStore` (torch.distributed's store over etcd) is not imported here: it
 needs torch, which the coordinator and argument parsing do without.
-
-Import this package before anything else imports protobuf: `etcd3`'s generated modules
-need the pure-Python protobuf backend, which `client` selects (see its docstring).
 """
 
 from megatron_parcae.control.etcd.client import (

@@ -1,15 +1,12 @@
 """A small etcd v3 client: with keepalive.py, the only code that talks gRPC to etcd.
 
-It uses the protobuf messages and gRPC stubs shipped by the `etcd3` package but not its
+It uses etcd's protocol as the `etcd3` package ships it (protocol.py) but not its
 high-level client: that client sends the auth token as call credentials, which gRPC
 refuses on plaintext channels ("Established channel does not have a sufficient security
 level"), lets most gRPC errors through untranslated, and reopens a broken watch stream
 in a loop without pause. Here every call has a short deadline and every failure becomes
 one of four exceptions whose message says what to check: `EtcdUnavailable`,
 `EtcdAuthError`, `LeaseExpired`, or `EtcdError`.
-
-`etcd3`'s generated protobuf modules predate protobuf 4; they load only with the pure
-Python protobuf backend, so this module selects it before protobuf is first imported.
 """
 
 from __future__ import annotations
@@ -20,11 +17,9 @@ import os
 import queue
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal, Sequence
 
-os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")  # before protobuf's first import
 # gRPC's fork handlers can abort a child forked while a channel reconnects (seen when
 # EtcdServer.restart() forks etcd, whose parent-death signal needs a fork, not a spawn);
 # no process here forks to use gRPC in the child.
@@ -32,18 +27,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc  # noqa: E402
 
-try:
-    with warnings.catch_warnings():  # the generated modules use deprecated descriptor calls
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from etcd3 import etcdrpc  # noqa: E402
-except TypeError as exc:  # "Descriptors cannot be created directly"
-    raise ImportError(
-        "the etcd3 package cannot load its protobuf modules: google.protobuf was imported "
-        "with a C/upb backend before megatron_parcae.control.etcd. Import megatron_parcae.control.etcd "
-        "first, set PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python, or install 'protobuf<4'"
-    ) from exc
-
 from megatron_parcae.control.etcd.keepalive import KeepAliveStream  # noqa: E402
+from megatron_parcae.control.etcd.protocol import Stub, rpc  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +185,8 @@ def prefix_end(prefix: str) -> bytes:
     return bytes(raw)
 
 
-def _range_request(key: str, prefix: bool) -> etcdrpc.RangeRequest:
-    req = etcdrpc.RangeRequest(key=key.encode())
+def _range_request(key: str, prefix: bool) -> rpc.RangeRequest:
+    req = rpc.RangeRequest(key=key.encode())
     if prefix:
         req.range_end = prefix_end(key)
     return req
@@ -250,11 +235,11 @@ class EtcdClient:
             self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
         else:
             self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(*tls.read()), options=_CHANNEL_OPTIONS)
-        self._kv = etcdrpc.KVStub(self._channel)
-        self._lease = etcdrpc.LeaseStub(self._channel)
-        self._watch = etcdrpc.WatchStub(self._channel)
-        self._maintenance = etcdrpc.MaintenanceStub(self._channel)
-        self._auth = etcdrpc.AuthStub(self._channel)
+        self._kv = Stub(self._channel, "KV")
+        self._lease = Stub(self._channel, "Lease")
+        self._watch = Stub(self._channel, "Watch")
+        self._maintenance = Stub(self._channel, "Maintenance")
+        self._auth = Stub(self._channel, "Auth")
         self._metadata: tuple[tuple[str, str], ...] | None = None
         self._auth_lock = threading.Lock()
         self._keep_alives = KeepAliveStream(self._open_keep_alives, self._answered, self._keep_alives_failed)
@@ -262,7 +247,7 @@ class EtcdClient:
             self._connect()
             if user is not None:
                 self._authenticate()
-            self.server_version = self._call("status", self._maintenance.Status, etcdrpc.StatusRequest()).version
+            self.server_version = self._call("status", self._maintenance.Status, rpc.StatusRequest()).version
             if user is None and (tls is None or tls.cert is None):
                 self._check_anonymous_access()
         except BaseException:
@@ -325,7 +310,7 @@ class EtcdClient:
         return EtcdError(f"{where} failed: {code.name} {details}")
 
     def _authenticate(self) -> None:
-        request = etcdrpc.AuthenticateRequest(name=self._user, password=self._password)
+        request = rpc.AuthenticateRequest(name=self._user, password=self._password)
         try:
             token = self._auth.Authenticate(request, self.timeout, wait_for_ready=True).token
         except grpc.RpcError as exc:
@@ -338,7 +323,7 @@ class EtcdClient:
     def _check_anonymous_access(self) -> None:
         """One read without credentials: a server with authentication on refuses it here,
         at connect, instead of at the caller's first use (status needs no credentials)."""
-        self._call("read", self._kv.Range, etcdrpc.RangeRequest(key=b"/", count_only=True))
+        self._call("read", self._kv.Range, rpc.RangeRequest(key=b"/", count_only=True))
 
     def _call(self, what: str, method, request, timeout: float | None = None):
         """Run one unary RPC with the deadline (`timeout`, default the client's);
@@ -367,11 +352,11 @@ class EtcdClient:
         return [_to_kv(kv) for kv in self._call(f"get {prefix}*", self._kv.Range, _range_request(prefix, True)).kvs]
 
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
-        self._call(f"put {key}", self._kv.Put, etcdrpc.PutRequest(key=key.encode(), value=value, lease=lease))
+        self._call(f"put {key}", self._kv.Put, rpc.PutRequest(key=key.encode(), value=value, lease=lease))
 
     def delete(self, key: str, prefix: bool = False) -> int:
         """Delete a key (or every key under a prefix); return how many were deleted."""
-        req = etcdrpc.DeleteRangeRequest(key=key.encode())
+        req = rpc.DeleteRangeRequest(key=key.encode())
         if prefix:
             req.range_end = prefix_end(key)
         return self._call(f"delete {key}", self._kv.DeleteRange, req).deleted
@@ -379,7 +364,7 @@ class EtcdClient:
     def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = (),
             timeout: float | None = None) -> TxnResult:
         """Atomically: if every condition holds run `success`, else `failure`."""
-        request = etcdrpc.TxnRequest(
+        request = rpc.TxnRequest(
             compare=[self._compare_message(c) for c in compare],
             success=[self._op_message(op) for op in success],
             failure=[self._op_message(op) for op in failure],
@@ -390,7 +375,7 @@ class EtcdClient:
 
     @staticmethod
     def _compare_message(c: Compare):
-        message = etcdrpc.Compare(key=c.key.encode(), result=_OPS[c.op], target=_TARGETS[c.target])
+        message = rpc.Compare(key=c.key.encode(), result=_OPS[c.op], target=_TARGETS[c.target])
         if c.target == "value":
             if not isinstance(c.operand, bytes):
                 raise TypeError(f"compare on the value of {c.key} needs bytes, got {type(c.operand).__name__}")
@@ -404,19 +389,19 @@ class EtcdClient:
     @staticmethod
     def _op_message(op: TxnOp):
         if isinstance(op, Put):
-            return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=op.key.encode(), value=op.value, lease=op.lease))
+            return rpc.RequestOp(request_put=rpc.PutRequest(key=op.key.encode(), value=op.value, lease=op.lease))
         if isinstance(op, Get):
-            return etcdrpc.RequestOp(request_range=_range_request(op.key, op.prefix))
-        req = etcdrpc.DeleteRangeRequest(key=op.key.encode())
+            return rpc.RequestOp(request_range=_range_request(op.key, op.prefix))
+        req = rpc.DeleteRangeRequest(key=op.key.encode())
         if op.prefix:
             req.range_end = prefix_end(op.key)
-        return etcdrpc.RequestOp(request_delete_range=req)
+        return rpc.RequestOp(request_delete_range=req)
 
     # -- leases ----------------------------------------------------------------------
 
     def grant_lease(self, ttl_seconds: float) -> tuple[int, int]:
         """Grant a lease of at least `ttl_seconds` (rounded up to whole seconds); return (id, ttl)."""
-        response = self._call("lease grant", self._lease.LeaseGrant, etcdrpc.LeaseGrantRequest(TTL=max(1, int(-(-ttl_seconds // 1)))))
+        response = self._call("lease grant", self._lease.LeaseGrant, rpc.LeaseGrantRequest(TTL=max(1, int(-(-ttl_seconds // 1)))))
         if response.error:
             raise EtcdError(f"etcd lease grant at {self.endpoint} failed: {response.error}")
         return response.ID, response.TTL
@@ -425,7 +410,7 @@ class EtcdClient:
         """Send one keep-alive on a stream of its own (waiting `timeout` s, default the
         client's); return the remaining TTL in seconds, 0 if the lease is gone. `KeptLease`
         uses the client's shared stream instead, and this only to check an overdue lease."""
-        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        request = rpc.LeaseKeepAliveRequest(ID=lease_id)
         responses = self._lease.LeaseKeepAlive(iter([request]), timeout or self.timeout, metadata=self._metadata,
                                                wait_for_ready=True)
         try:
@@ -459,7 +444,7 @@ class EtcdClient:
     def revoke_lease(self, lease_id: int) -> bool:
         """Revoke a lease (its keys are deleted); False if it was already gone."""
         try:
-            self._call("lease revoke", self._lease.LeaseRevoke, etcdrpc.LeaseRevokeRequest(ID=lease_id))
+            self._call("lease revoke", self._lease.LeaseRevoke, rpc.LeaseRevokeRequest(ID=lease_id))
         except LeaseExpired:
             return False
         return True
@@ -493,7 +478,7 @@ class Watch:
 
     def __init__(self, client: EtcdClient, key: str, prefix: bool, on_change: Callable[[list[WatchEvent]], None]) -> None:
         self._client = client
-        self._create = etcdrpc.WatchCreateRequest(key=key.encode())
+        self._create = rpc.WatchCreateRequest(key=key.encode())
         if prefix:
             self._create.range_end = prefix_end(key)
         self._on_change = on_change
@@ -507,7 +492,7 @@ class Watch:
         backoff = 0.1
         while not self._stopped.is_set():
             requests: queue.Queue = queue.Queue()
-            requests.put(etcdrpc.WatchRequest(create_request=self._create))
+            requests.put(rpc.WatchRequest(create_request=self._create))
             try:
                 with self._lock:
                     if self._stopped.is_set():

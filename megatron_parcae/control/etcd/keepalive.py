@@ -19,7 +19,8 @@ import time
 from typing import Callable, Iterator, Protocol
 
 import grpc
-from etcd3 import etcdrpc  # after megatron_parcae.control.etcd.client chose the protobuf backend
+
+from megatron_parcae.control.etcd.protocol import rpc
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class KeepAliveStream:
 
     # -- the requests, pulled by gRPC's thread ---------------------------------------
 
-    def _requests(self, stream: _Stream) -> Iterator[etcdrpc.LeaseKeepAliveRequest]:
+    def _requests(self, stream: _Stream) -> Iterator[rpc.LeaseKeepAliveRequest]:
         """The keep-alives as they fall due, until `stream` ends; ends it when it
         stopped answering."""
         while True:
@@ -203,4 +204,4 @@ class KeepAliveStream:
                     self._due[lease_id] = now + self._leases[lease_id].ttl / 3
                     self._in_flight.append((lease_id, now))
             for lease_id in due:
-                yield etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+                yield rpc.LeaseKeepAliveRequest(ID=lease_id)
