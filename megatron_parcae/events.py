@@ -10,10 +10,12 @@ Free of torch, so that readers load fast.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -55,6 +57,7 @@ class Iteration(Event):
     trained_samples: int
     skipped_iterations: int  # fp16 steps skipped since the previous logged step
     loss_scale: float | None  # fp16's dynamic or constant loss scale; None otherwise
+    tflops_per_gpu: float | None = None  # model TFLOP/s per GPU, with --log-throughput
 
     def log_line(self) -> str:
         fp16 = self.loss_scale is not None
@@ -62,6 +65,7 @@ class Iteration(Event):
             f" iteration {self.iteration:8d}/{self.train_iters:8d}",
             f"consumed samples: {self.consumed_samples:12d}",
             f"elapsed time per iteration (ms): {self.ms_per_iteration:.1f}",
+            *((f"throughput per GPU (TFLOP/s/GPU): {self.tflops_per_gpu:.1f}",) if self.tflops_per_gpu is not None else ()),
             f"learning rate: {self.learning_rate:.6E}",
             f"global batch size: {self.global_batch_size:5d}",
             *(f"{name}: {value:.6E}" for name, value in self.losses.items()),
@@ -70,6 +74,25 @@ class Iteration(Event):
             *((f"number of skipped iterations: {self.skipped_iterations:3d}",) if fp16 else ()),
         ]
         return " | ".join(parts) + " |"
+
+
+@dataclass(frozen=True)
+class Evaluation(Event):
+    """The validation loss at `iteration` (every --eval-interval): the mean over
+    `eval_iters` global batches of the validation split, with dropout off."""
+
+    NAME = "evaluation"
+    iteration: int
+    eval_iters: int
+    losses: dict[str, float]  # by name, as Iteration's
+
+    def log_line(self) -> str:
+        parts = [f" validation loss at iteration {self.iteration}",
+                 *(f"{name} value: {value:.6E} | {name} PPL: {math.exp(min(20.0, value)):.6E}"
+                   for name, value in self.losses.items())]
+        line = " | ".join(parts) + " |"
+        rule = "-" * len(line)
+        return f"{rule}\n{line}\n{rule}"
 
 
 @dataclass(frozen=True)
@@ -185,9 +208,10 @@ class ThroughputLearned(Event):
 
 
 KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in
-                                 (Iteration, Save, Load, LayoutChange, PlanPublished, ThroughputLearned)}
+                                 (Iteration, Evaluation, Save, Load, LayoutChange, PlanPublished,
+                                  ThroughputLearned)}
 _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
-TrainingEvent = Iteration | Save | Load | LayoutChange
+TrainingEvent = Iteration | Evaluation | Save | Load | LayoutChange
 
 
 # -- writing -------------------------------------------------------------------------
@@ -212,18 +236,23 @@ class EventWriter:
 
 
 _training_events = EventWriter(None)
+_listener: Callable[[TrainingEvent], None] | None = None
 
 
-def open_training_events(path: str | None) -> None:
-    """Where `report` appends this process's events (--parcae-events; None: no file)."""
-    global _training_events
+def open_training_events(path: str | None, listener: Callable[[TrainingEvent], None] | None = None) -> None:
+    """Where `report` appends this process's events (--parcae-events; None: no file), and
+    what else it hands them to (the writer of --tensorboard-dir's scalars)."""
+    global _training_events, _listener
     _training_events = EventWriter(path)
+    _listener = listener
 
 
 def report(event: TrainingEvent) -> None:
     """Append `event` to this process's events file, then print its log line: a reader
     woken by the line finds the event. The layout's rank 0 calls this."""
     _training_events.write(event)
+    if _listener is not None:
+        _listener(event)
     print(event.log_line(), flush=True)
 
 

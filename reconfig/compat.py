@@ -116,6 +116,8 @@ WRITE_RESULTS_QUEUE = Reach("megatron-core", "megatron.core.dist_checkpointing.s
 RNG_TRACKER = Reach("megatron-core", "megatron.core.tensor_parallel.random", "_CUDA_RNG_STATE_TRACKER")
 RNG_TRACKER_INITIALIZED = Reach("megatron-core", "megatron.core.tensor_parallel.random",
                                 "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
+CUDA_RNG_STATE_GET = Reach("megatron-core", "megatron.core.tensor_parallel.random", "_get_cuda_rng_state")
+CUDA_RNG_STATE_SET = Reach("megatron-core", "megatron.core.tensor_parallel.random", "_set_cuda_rng_state")
 INIT_OPTIMIZER_STATES = Reach("megatron-core", _DISTRIB_OPTIMIZER,
                               "DistributedOptimizer._init_optimizer_states_with_dummy_values")
 PARAM_RANGE_MAP = Reach("megatron-core", _DISTRIB_OPTIMIZER, "DistributedOptimizer._get_model_param_range_map")
@@ -123,7 +125,8 @@ MAIN_PARAM_AND_STATES = Reach("megatron-core", _DISTRIB_OPTIMIZER,
                               "DistributedOptimizer._get_main_param_and_optimizer_states")
 
 REACHES = (PROCESS_GROUP_MAP, GROUP_COUNT, DEFAULT_STORE, SET_GROUP_TIMEOUT, MEGATRON_GROUP_LIST, *PARALLEL_STATE_GLOBALS,
-           WRITE_RESULTS_QUEUE, RNG_TRACKER, RNG_TRACKER_INITIALIZED, INIT_OPTIMIZER_STATES, PARAM_RANGE_MAP,
+           WRITE_RESULTS_QUEUE, RNG_TRACKER, RNG_TRACKER_INITIALIZED, CUDA_RNG_STATE_GET, CUDA_RNG_STATE_SET,
+           INIT_OPTIMIZER_STATES, PARAM_RANGE_MAP,
            MAIN_PARAM_AND_STATES)
 
 
@@ -206,9 +209,23 @@ def _serve_until_parent_dies() -> None:
 
 def install_rng_tracker(tracker: object) -> None:
     """Make `tracker` the one megatron-core's get_cuda_rng_tracker() returns (CPU runs
-    need one that forks the CPU generator)."""
+    need one that forks the CPU generator). Activation recomputation saves and restores
+    the CUDA generator besides the CPU one and the tracker's: with the tracker on the CPU
+    there is no CUDA generator, so its state is an empty placeholder."""
     RNG_TRACKER.set(tracker)
     RNG_TRACKER_INITIALIZED.set(True)
+    CUDA_RNG_STATE_GET.set(_no_cuda_rng_state)
+    CUDA_RNG_STATE_SET.set(_restore_no_cuda_rng_state)
+
+
+def _no_cuda_rng_state(*args, **kwargs):
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _restore_no_cuda_rng_state(*args, **kwargs) -> None:
+    pass
 
 
 # ---- DistributedOptimizer ----------------------------------------------------------

@@ -9,8 +9,8 @@ State units (what one pipeline stage can hold, by name):
   vocabulary dimension. Stage 0 holds it. With tied embeddings and P > 1 the last stage
   holds it too: megatron-core's ``output_layer.weight`` there is a copy kept equal to it
   (same all-reduced gradient, hence the same Adam moments), so either copy is a source.
-- ``embedding.position``: learned position embeddings (plus BERT's token-type
-  embeddings), replicated over TP. Stage 0 only.
+- ``embedding.position``: learned position embeddings, none under RoPE (plus BERT's
+  token-type embeddings), replicated over TP. Stage 0 only.
 - ``layer.{i}``: transformer layer i (global index), on the stage whose range holds i.
 - ``head``: final layernorm, plus the output layer when embeddings are untied, plus for
   BERT the LM head (dense + layernorm + output bias) and the pooler and binary head.
@@ -32,6 +32,7 @@ MODEL_KINDS = ("gpt", "bert")
 # How `ModelShape.problems` names what it checks; argument parsing passes flag names instead.
 LAYOUT_NAMES = {
     "num_attention_heads": "model.num_attention_heads", "ffn_hidden_size": "model.ffn_hidden_size",
+    "num_query_groups": "model.num_query_groups",
     "tp": "layout.tp", "dp": "layout.dp", "stage_layers": "layout.stage_layers",
     "micro_batch_size": "micro_batch_size", "global_batch_size": "global_batch_size",
 }
@@ -102,6 +103,9 @@ class ModelShape:
     tied_embeddings: bool = True
     param_bytes_per_param: int = 4
     optimizer_bytes_per_param: int = 8
+    num_query_groups: int | None = None  # grouped-query attention's key/value heads; None: one per head
+    gated_mlp: bool = False  # SwiGLU: fc1 is twice as wide ([gate; up])
+    learned_position_embeddings: bool = True  # False under RoPE, which has no parameters
 
     def __post_init__(self) -> None:
         if self.kind not in MODEL_KINDS:
@@ -110,8 +114,14 @@ class ModelShape:
                      "max_position_embeddings", "param_bytes_per_param"):
             require_int(f"model.{name}", getattr(self, name), 1)
         require_int("model.optimizer_bytes_per_param", self.optimizer_bytes_per_param, 0)
-        if not isinstance(self.tied_embeddings, bool):
-            raise ValueError(f"model.tied_embeddings: expected true or false, got {self.tied_embeddings!r}")
+        for name in ("tied_embeddings", "gated_mlp", "learned_position_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"model.{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.num_query_groups is not None:
+            require_int("model.num_query_groups", self.num_query_groups, 1)
+            if self.num_attention_heads % self.num_query_groups:
+                raise ValueError(f"model.num_query_groups: {self.num_query_groups} does not divide "
+                                 f"num_attention_heads {self.num_attention_heads}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"model.hidden_size: {self.hidden_size} is not a multiple of "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -123,16 +133,21 @@ class ModelShape:
     @cached_property
     def _units(self) -> dict[str, StateUnit]:
         h, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
-        # Pre-LN layer: QKV (3h x h + 3h) and fc1 (f x h + f) are column-parallel with split
-        # biases; proj (h x h) and fc2 (h x f) are row-parallel with replicated biases.
-        layer_split = 4 * h * h + 2 * h * f + 3 * h + f
+        # Pre-LN layer: QKV (q + 2 kv rows of h, kv = h under plain attention) and fc1 (f or,
+        # gated, 2f rows of h) are column-parallel with split biases; proj (h x h) and fc2
+        # (h x f) are row-parallel with replicated biases.
+        groups = self.num_query_groups or self.num_attention_heads
+        qkv = h + 2 * groups * (h // self.num_attention_heads)
+        fc1 = 2 * f if self.gated_mlp else f
+        layer_split = (qkv + h) * h + (fc1 + f) * h + qkv + fc1
         layer_replicated = 2 * h + h + 2 * h + h  # two layernorms, proj and fc2 biases
         output_weight = 0 if self.tied_embeddings else v * h
+        learned = self.max_position_embeddings * h if self.learned_position_embeddings else 0
         if self.kind == "gpt":
-            position = self.max_position_embeddings * h
+            position = learned
             head = StateUnit(HEAD, output_weight, 2 * h)
         else:
-            position = self.max_position_embeddings * h + 2 * h  # + 2 token types
+            position = learned + 2 * h  # + 2 token types
             # final layernorm, LM-head dense + layernorm, pooler dense, binary head (h -> 2);
             # the output layer has a vocab-sized bias split like its weight.
             head = StateUnit(HEAD, output_weight + v, 2 * h + (h * h + h) + 2 * h + (h * h + h) + (2 * h + 2))
@@ -158,7 +173,11 @@ class ModelShape:
         half = args.bf16 or args.fp16
         return cls(args.model, args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size,
                    vocab_size, args.max_position_embeddings,
-                   param_bytes_per_param=2 if half else 4, optimizer_bytes_per_param=12 if half else 8)
+                   tied_embeddings=not getattr(args, "untie_embeddings_and_output_weights", False),
+                   param_bytes_per_param=2 if half else 4, optimizer_bytes_per_param=12 if half else 8,
+                   num_query_groups=getattr(args, "num_query_groups", None),
+                   gated_mlp=getattr(args, "swiglu", False),
+                   learned_position_embeddings=getattr(args, "position_embedding_type", "learned_absolute") != "rope")
 
     def problems(self, parallelism: Parallelism, micro_batch_size: int | None = None,
                  global_batch_size: int | None = None, names: Mapping[str, str] = LAYOUT_NAMES) -> list[str]:
@@ -172,7 +191,7 @@ class ModelShape:
         if sum(parallelism.stage_layers) != self.num_layers:
             found.append(f"{names['stage_layers']}: sums to {sum(parallelism.stage_layers)}, "
                          f"the model has {self.num_layers} layers")
-        for name in ("num_attention_heads", "ffn_hidden_size"):
+        for name in ("num_attention_heads", "ffn_hidden_size", *(("num_query_groups",) if self.num_query_groups else ())):
             if getattr(self, name) % parallelism.tp:
                 found.append(f"{names[name]} {getattr(self, name)} is not divisible by {names['tp']} {parallelism.tp}")
         if global_batch_size is not None and global_batch_size % (micro_batch_size * parallelism.dp):
@@ -193,7 +212,8 @@ class ModelShape:
     @classmethod
     def from_dict(cls, d: Any) -> ModelShape:
         fields = set(cls.__dataclass_fields__)
-        require_fields("model", d, fields - {"tied_embeddings", "param_bytes_per_param", "optimizer_bytes_per_param"},
+        require_fields("model", d, fields - {"tied_embeddings", "param_bytes_per_param", "optimizer_bytes_per_param",
+                                             "num_query_groups", "gated_mlp", "learned_position_embeddings"},
                     frozenset(fields))
         return cls(**d)
 

@@ -19,12 +19,14 @@ import yaml
 from megatron_parcae.control.etcd.options import add_etcd_arguments, check_etcd_arguments
 from megatron_parcae.control.notices import SOURCES as NOTICE_SOURCES, WATCHERS as NOTICE_WATCHERS
 from megatron_parcae.control.notices.base import Endpoint
+from megatron_parcae.training.data.blend import parse_blend, parse_split
 from reconfig.layout import ModelShape, Parallelism, partition_layers
 
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
 # What ModelShape.problems checks, by the flags that set it.
 _FLAG_NAMES = {
     "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
+    "num_query_groups": "--num-query-groups",
     "tp": "--tensor-model-parallel-size", "dp": "data-parallel size", "stage_layers": "layers per stage",
     "micro_batch_size": "--micro-batch-size", "global_batch_size": "--global-batch-size",
 }
@@ -54,6 +56,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without next-sentence head")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="with rope: share of each head's dimensions rotated")
+    g.add_argument("--rotary-base", type=int, default=10000, help="with rope: base of the rotary frequencies")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="a separate, vocab-parallel output layer instead of the word embedding")
+    g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (its fc1 holds [gate; up] per TP shard)")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="with --group-query-attention: key/value heads; every T used must divide it")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="recompute activations in backward: whole layers (full) or core attention (selective)")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="with --recompute-granularity full: which layers are recomputed")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="with --recompute-method: layers per recomputed unit (uniform) or per stage (block)")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
                    help="default: transformer_engine on a GPU where Transformer Engine is installed, else local")
     g.add_argument("--bf16", action="store_true")
@@ -75,6 +93,12 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split layernorm and dropout activations over the TP group; on for T > 1, off at T = 1, "
+                        "following T through layout changes")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="reduce gradients bucket by bucket during backward")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: gather updated parameters during the next forward")
 
 
 def _add_parcae_args(p: argparse.ArgumentParser) -> None:
@@ -130,14 +154,37 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="+", default=None, help="indexed dataset prefixes (without .bin/.idx)")
+    g.add_argument("--data-path", nargs="+", default=None, metavar="[WEIGHT] PREFIX",
+                   help="indexed dataset prefixes (without .bin/.idx), blended by size; or weight-prefix pairs "
+                        "(0.7 A 0.3 B), blended by weight")
     g.add_argument("--mock-data", action="store_true", help="random tokens, for benchmarks")
-    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--split", default="969,30,1", help="train,validation,test shares of each dataset")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="compute the validation loss every this many iterations (default: never)")
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches of the validation split each evaluation reads (0: no evaluation)")
     g.add_argument("--tokenizer-type", choices=TOKENIZERS, default=None)
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--vocab-size", type=int, default=None, help="with --mock-data only")
     g.add_argument("--data-cache-path", default=None)
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add the model TFLOP/s per GPU to each iteration line")
+    g.add_argument("--tensorboard-dir", default=None, metavar="DIR",
+                   help="write training scalars (losses, learning rate, grad norm, samples/s, TFLOP/s per GPU, "
+                        "loss scale, the layout's T, P, D) as TensorBoard event files in DIR, from the layout's rank 0")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write the training scalars every this many iterations (default 1)")
+    g.add_argument("--wandb-project", default=None, help="also write the scalars to this Weights & Biases project")
+    g.add_argument("--wandb-exp-name", default=None, help="with --wandb-project: the run's name")
+    g.add_argument("--wandb-save-dir", default=None, help="with --wandb-project: its local files (default: SAVE/wandb with --save)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, every rank finishes its step, saves a checkpoint under --save and exits 0; "
+                        "not with --parcae, where SIGTERM is a preemption notice the job itself handles")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -154,7 +201,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=prog, description="megatron-core pretraining with megatron-parcae")
     parser.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_data_args, _add_checkpoint_args,
-                _add_parcae_args):
+                _add_logging_args, _add_parcae_args):
         add(parser)
     return parser
 
@@ -269,6 +316,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
     args.stage_layers = stage_layers(args.num_layers, P, args.decoder_first_pipeline_num_layers,
                                      args.decoder_last_pipeline_num_layers)
+    _validate_model_flags(args)
     # The vocabulary is padded once the tokenizer loads; no check here depends on its size.
     shape = ModelShape.from_args(args, vocab_size=1)
     _check_trainable(shape, Parallelism(T, P, 1, args.stage_layers))  # T and P before the world size they need
@@ -316,9 +364,59 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         folder = Path(args.parcae_events).parent
         _check(folder.is_dir(), f"--parcae-events: no directory {folder}")
     _validate_data(args)
+    _validate_logging(args)
     _resolve_transformer_impl(args)
     if args.parcae_layout_schedule is not None:
         _check_layout_schedule(args, total_workers, shape, initial)
+
+
+def _validate_model_flags(args: argparse.Namespace) -> None:
+    """Megatron-LM's constraints on its model and memory flags."""
+    _check(0 < args.rotary_percent <= 1, f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
+    _check(args.rotary_base > 0, f"--rotary-base must be positive, got {args.rotary_base}")
+    if args.group_query_attention:
+        _check(args.num_query_groups > 0, f"--num-query-groups must be positive, got {args.num_query_groups}")
+        _check(args.num_attention_heads % args.num_query_groups == 0,
+               f"--num-query-groups {args.num_query_groups} does not divide --num-attention-heads "
+               f"{args.num_attention_heads}")
+    else:
+        args.num_query_groups = None  # one key/value head per attention head
+    if args.recompute_granularity == "full":
+        _check(args.recompute_method is not None, "--recompute-granularity full needs --recompute-method")
+        _check(args.recompute_num_layers is not None and args.recompute_num_layers > 0,
+               "--recompute-granularity full needs a positive --recompute-num-layers")
+    else:
+        _check(args.recompute_method is None,
+               "--recompute-method needs --recompute-granularity full")
+        _check(args.recompute_num_layers is None,
+               "--recompute-num-layers needs --recompute-granularity full")
+    # Checkpoints write tensor-parallel shards whole; SwiGLU's fc1 shard is [gate; up], two pieces.
+    _check(not (args.swiglu and (args.save or args.load)),
+           "--swiglu cannot be combined with --save or --load: checkpoints do not yet split its [gate; up] shards")
+    _check(not args.overlap_param_gather or args.use_distributed_optimizer,
+           "--overlap-param-gather needs --use-distributed-optimizer")
+    _check(not args.overlap_param_gather or args.overlap_grad_reduce,
+           "--overlap-param-gather needs --overlap-grad-reduce")
+
+
+def _validate_logging(args: argparse.Namespace) -> None:
+    _check(args.tensorboard_log_interval > 0,
+           f"--tensorboard-log-interval must be positive, got {args.tensorboard_log_interval}")
+    if args.tensorboard_dir is not None:
+        _check(not Path(args.tensorboard_dir).exists() or Path(args.tensorboard_dir).is_dir(),
+               f"--tensorboard-dir: {args.tensorboard_dir} is not a directory")
+        _check(importlib.util.find_spec("tensorboard") is not None,
+               "--tensorboard-dir: tensorboard is not installed (pip install tensorboard)")
+    if args.wandb_project is not None:
+        _check(importlib.util.find_spec("wandb") is not None, "--wandb-project: wandb is not installed (pip install wandb)")
+        _check(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name")
+        if args.wandb_save_dir is None and args.save is not None:
+            args.wandb_save_dir = str(Path(args.save) / "wandb")
+    if args.exit_signal_handler:
+        # With --parcae, SIGTERM is a preemption notice: the live job moves this worker's
+        # state away instead of stopping; a scheduled run cannot be resumed (--load).
+        _check(not args.parcae, "--exit-signal-handler cannot be combined with --parcae, which handles SIGTERM itself")
+        _check(args.save is not None, "--exit-signal-handler needs --save")
 
 
 def _check_trainable(shape: ModelShape, parallelism: Parallelism, micro_batch_size: int | None = None,
@@ -411,12 +509,28 @@ def _resolve_transformer_impl(args: argparse.Namespace) -> None:
 
 
 def _validate_data(args: argparse.Namespace) -> None:
+    try:
+        _, validation_share, _ = parse_split(args.split)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    _check(args.eval_interval is None or args.eval_interval > 0,
+           f"--eval-interval must be positive, got {args.eval_interval}")
+    _check(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.eval_iters == 0:
+        args.eval_interval = None
+    _check(args.eval_interval is None or validation_share > 0,
+           f"--eval-interval needs a validation share in --split, got {args.split}")
     if args.mock_data:
         _check(args.vocab_size is not None or args.vocab_file is not None,
                "--mock-data needs --vocab-size or a --vocab-file")
+        args.data_blend = None
         return
-    _check(args.data_path is not None, "--data-path is required (or --mock-data)")
-    for prefix in args.data_path:
+    _check(bool(args.data_path), "--data-path is required (or --mock-data)")
+    try:
+        args.data_blend = parse_blend(args.data_path)
+    except ValueError as exc:
+        raise ArgumentError(str(exc)) from None
+    for prefix in args.data_blend.prefixes:
         for suffix in (".bin", ".idx"):
             _check(Path(prefix + suffix).is_file(), f"--data-path: missing {prefix + suffix}")
     _check(args.tokenizer_type is not None, "--tokenizer-type is required with --data-path")

@@ -64,6 +64,8 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.autograd.backward and hasattr(torch.autograd.Variable, "_execution_engine"):
+            return self._backward(*args, **kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
@@ -74,6 +76,23 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
+
+    def _backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=False, inputs=None):
+        """torch.autograd.backward with this mode on: it is off while its own handler runs,
+        and the backward of a recomputed layer (activation recomputation calls
+        torch.autograd.backward) names CUDA devices like its forward. Autograd's engine is
+        private torch state: without it, backward runs as before (gated in the caller)."""
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = (grad_tensors,) * len(tensors) if grad_tensors is None else (grad_tensors,)
+        if any(g is None and t.numel() != 1 for t, g in zip(tensors, grad_tensors)):
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+        grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grad_tensors))
+        inputs = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+        with self:
+            torch.autograd.Variable._execution_engine.run_backward(
+                tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs,
+                allow_unreachable=True, accumulate_grad=True)
 
 
 class CpuRNGStatesTracker:

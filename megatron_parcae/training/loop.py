@@ -20,10 +20,13 @@ from megatron_parcae import events
 from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.control.etcd.client import EtcdClient, EtcdGone
 from megatron_parcae.training import checkpointing
-from megatron_parcae.training.data.datasets import build_tokenizer, build_train_dataset
+from megatron_parcae.training.data.datasets import build_datasets, build_tokenizer
 from megatron_parcae.training.device import collective_timeout
+from megatron_parcae.training.exit_signal import ExitSignal
 from megatron_parcae.training.hooks import build_hook
 from megatron_parcae.training.hooks.live import LiveJobError, WorkerFenced
+from megatron_parcae.training.metrics.flops import model_flops_per_step
+from megatron_parcae.training.metrics.writer import MetricsWriter, tflops_per_gpu, wanted
 from megatron_parcae.training.models import padded_vocab_size
 from megatron_parcae.training.progress import Progress
 from megatron_parcae.training.runtime import LayoutRuntime
@@ -47,13 +50,18 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
     Without --parcae the layout is fixed. With --parcae-layout-schedule, or with `client`
     (connected to --parcae-etcd), a reconfiguration hook changes it in place.
     """
-    events.open_training_events(args.parcae_events)
     tokenizer = build_tokenizer(args)
     vocab = padded_vocab_size(tokenizer.vocab_size, args)
+    flops_per_step = model_flops_per_step(args.model, args.num_layers, args.hidden_size, args.ffn_hidden_size,
+                                          args.seq_length, vocab, args.global_batch_size,
+                                          binary_head=args.model == "bert" and not args.bert_no_binary_head)
+    metrics = MetricsWriter(args, flops_per_step) if wanted(args) else None
+    events.open_training_events(args.parcae_events, metrics.reported if metrics is not None else None)
+    exit_signal = ExitSignal() if args.exit_signal_handler else None
     checkpoints = checkpointing.Checkpointer(args.save, args.async_save, collective_timeout(args))
     # A change releases the WORLD a save in flight needs: the hook completes it first.
     hook = build_hook(args, vocab, LayoutRuntime, client, before_change=checkpoints.finish)
-    dataset = build_train_dataset(args, tokenizer)
+    dataset, valid_dataset = build_datasets(args, tokenizer)
     # All built so far lives as long as the process. Out of the cyclic collector's sight,
     # it is not scanned again by the full collection each layout change makes to free the
     # old layout (reconfig.execute.release_runtime): 3-7 ms instead of 0.3-0.9 s on CPU.
@@ -80,29 +88,48 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                         checkpoints.save(runtime, progress)
                         checkpoints.finish()
                     break
-                report = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
-                result = runtime.train_step(dataset, progress, report)
+                logged = (progress.iteration + 1) % args.log_interval == 0 or progress.iteration + 1 == args.train_iters
+                charted = metrics is not None and (progress.iteration + 1) % args.tensorboard_log_interval == 0
+                result = runtime.train_step(dataset, progress, logged or charted)
                 progress.iteration += 1  # the step is applied: what fails from here on keeps it
                 progress.consumed_samples += args.global_batch_size
                 hook.trained(progress.consumed_samples)
                 window_iters += 1
                 window_skipped += result.skipped
-                if report:
+                if logged or charted:
                     elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
                     if dist.get_rank() == 0:
                         # Adam counts the updates applied; every other step was skipped.
                         skipped_total = progress.iteration - step_count(runtime.optimizer)
-                        events.report(events.Iteration(
+                        tp, pp, dp = (runtime.args.tensor_model_parallel_size, runtime.args.pipeline_model_parallel_size,
+                                      runtime.dp_size)
+                        tflops = tflops_per_gpu(flops_per_step, elapsed_ms / 1000.0, tp * pp * dp)
+                        iteration = events.Iteration(
                             progress.iteration, args.train_iters, progress.consumed_samples, args.global_batch_size,
                             result.losses, result.grad_norm, result.learning_rate, elapsed_ms,
                             progress.consumed_samples - skipped_total * args.global_batch_size, window_skipped,
-                            result.loss_scale))
-                    window_start, window_iters, window_skipped = time.perf_counter(), 0, 0
+                            result.loss_scale, tflops if args.log_throughput else None)
+                        if logged:
+                            events.report(iteration)
+                        if charted:
+                            metrics.iteration(iteration, tp, pp, dp)
+                    if logged:
+                        window_start, window_iters, window_skipped = time.perf_counter(), 0, 0
+                if valid_dataset is not None and progress.iteration % args.eval_interval == 0:
+                    eval_start = time.perf_counter()
+                    valid_losses = runtime.evaluate(valid_dataset, progress.iteration)
+                    if dist.get_rank() == 0:
+                        events.report(events.Evaluation(progress.iteration, args.eval_iters, valid_losses))
+                    window_start += time.perf_counter() - eval_start  # as Megatron-LM: not a step's time
                 if args.save_interval and progress.iteration % args.save_interval == 0:
                     checkpoints.save(runtime, progress)
                 checkpoints.poll()
                 if args.exit_interval and progress.iteration % args.exit_interval == 0:
                     exit_at = progress.iteration
+                if exit_signal is not None and exit_signal.received_anywhere():
+                    exit_at = progress.iteration
+                    if dist.get_rank() == 0:
+                        print(f" exiting after receiving SIGTERM, at iteration {exit_at}", flush=True)
                 if progress.iteration in (args.train_iters, exit_at):
                     continue
                 runtime, consumed = hook.advance(runtime, progress.consumed_samples)  # the boundary between steps
@@ -121,5 +148,9 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
         return _fail(prog, str(exc), _fenced_exit() if isinstance(exc, WorkerFenced) else 1)
     finally:
         hook.finish(finished)
+        if metrics is not None:
+            metrics.close()
+        if exit_signal is not None:
+            exit_signal.restore()
         if dist.is_initialized():
             dist.destroy_process_group()

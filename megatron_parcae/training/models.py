@@ -51,7 +51,15 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         pipeline_model_parallel_size=P,
         num_layers_in_first_pipeline_stage=args.stage_layers[0] if P > 1 and args.decoder_first_pipeline_num_layers else None,
         num_layers_in_last_pipeline_stage=args.stage_layers[-1] if P > 1 and args.decoder_last_pipeline_num_layers else None,
-        sequence_parallel=False,
+        # Megatron-LM turns sequence parallelism off at T = 1; here it follows T through changes.
+        sequence_parallel=args.sequence_parallel and args.tensor_model_parallel_size > 1,
+        normalization=args.normalization,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        num_query_groups=args.num_query_groups,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=args.bf16,
@@ -66,15 +74,42 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         bias_activation_fusion=on_gpu,
         persist_layer_norm=on_gpu and _installed("apex"),
         apply_rope_fusion=False,
+        # As Megatron-LM: a stage frees its output once sent, and backward runs on autograd's
+        # engine directly (which also keeps CPU support's device mapping on in recomputation
+        # and sequence-parallel backward).
+        deallocate_pipeline_outputs=True,
     )
 
 
-def _layer_spec(args: argparse.Namespace):
+class SequenceParallelTorchNorm:
+    """torch's LayerNorm or RMSNorm with its parameters marked sequence-parallel, so that
+    megatron-core all-reduces their gradients over the TP group. The local spec's torch
+    norm refuses sequence parallelism for want of that mark; Apex and Transformer Engine
+    norms set it themselves."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        kind = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = kind(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+
+def _layer_spec(args: argparse.Namespace, config: TransformerConfig):
     te = args.transformer_impl == "transformer_engine"
     if args.model == "gpt":
         from megatron.core.models.gpt import gpt_layer_specs as specs
 
-        return specs.get_gpt_layer_with_transformer_engine_spec() if te else specs.get_gpt_layer_local_spec()
+        if te:
+            return specs.get_gpt_layer_with_transformer_engine_spec()
+        spec = specs.get_gpt_layer_local_spec(normalization=args.normalization)
+        if not (config.sequence_parallel and not _installed("apex")):
+            return spec
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                          layer_norm=SequenceParallelTorchNorm)
     from megatron.core.models.bert import bert_layer_specs as specs
 
     return specs.get_bert_layer_with_transformer_engine_spec() if te else specs.bert_layer_local_spec
@@ -85,17 +120,18 @@ def build_model_chunk(args: argparse.Namespace, config: TransformerConfig, vocab
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     common = dict(
         config=config,
-        transformer_layer_spec=_layer_spec(args),
+        transformer_layer_spec=_layer_spec(args, config),
         vocab_size=vocab_size,
         pre_process=pre,
         post_process=post,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
     )
     if args.model == "gpt":
         from megatron.core.models.gpt import GPTModel
 
-        chunk = GPTModel(max_sequence_length=args.max_position_embeddings, **common)
+        chunk = GPTModel(max_sequence_length=args.max_position_embeddings, rotary_percent=args.rotary_percent,
+                         rotary_base=args.rotary_base, **common)
     else:
         from megatron.core.models.bert.bert_model import BertModel
 
@@ -110,13 +146,14 @@ def build_model_chunk(args: argparse.Namespace, config: TransformerConfig, vocab
 
 
 def wrap_for_training(chunk: torch.nn.Module, config: TransformerConfig,
-                      use_distributed_optimizer: bool) -> DistributedDataParallel:
+                      args: argparse.Namespace) -> DistributedDataParallel:
     """Float16Module (bf16/fp16) then megatron-core DDP, as Megatron-LM wraps models."""
     if config.bf16 or config.fp16:
         chunk = Float16Module(config, chunk)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
     )
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)

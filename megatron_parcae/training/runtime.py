@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_parcae.training.data.datasets import rank_micro_batches, step_iterator
+from megatron_parcae.training.data.datasets import rank_micro_batches, step_iterator, validation_batch_indices
 from megatron_parcae.training.device import SETUP_TIMEOUT, collective_timeout
 from megatron_parcae.training.models import build_model_chunk, transformer_config, wrap_for_training
 from megatron_parcae.training.progress import Progress
@@ -56,9 +56,16 @@ def _loss_weight(num_local: int, num_total: int, dp_size: int) -> float:
     return num_local * dp_size / num_total
 
 
+def _causal_mask(tokens: torch.Tensor) -> torch.Tensor:
+    """The causal mask (True: masked), made here rather than by megatron-core, which makes
+    it on "cuda" inside the layer: activation recomputation runs that again in backward."""
+    s = tokens.shape[1]
+    return torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu(1).view(1, 1, s, s)
+
+
 def gpt_forward_step(weight: float, data_iterator, model):
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], _causal_mask(batch["tokens"]), labels=batch["labels"])
 
     def loss_func(output_tensor: torch.Tensor):
         mask = batch["loss_mask"].view(-1).float()
@@ -123,7 +130,7 @@ class LayoutRuntime:
         self.dp_size = ps.get_data_parallel_world_size()
         self.config: TransformerConfig = transformer_config(args)
         chunk = build_model_chunk(args, self.config, vocab_size)
-        self.model = [wrap_for_training(chunk, self.config, args.use_distributed_optimizer)]
+        self.model = [wrap_for_training(chunk, self.config, args)]
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
@@ -132,6 +139,7 @@ class LayoutRuntime:
                 initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
                 loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
                 params_dtype=self.config.params_dtype, use_distributed_optimizer=args.use_distributed_optimizer,
+                overlap_param_gather=args.overlap_param_gather,
             ),
             self.model,
         )
@@ -183,6 +191,38 @@ class LayoutRuntime:
         loss_scale = float(self.optimizer.get_loss_scale().item()) if args.fp16 else None
         return StepResult(losses=losses, grad_norm=float(grad_norm or 0.0), learning_rate=learning_rate,
                           seconds=time.perf_counter() - start, skipped=not updated, loss_scale=loss_scale)
+
+    def evaluate(self, dataset, iteration: int) -> dict[str, float]:
+        """The validation losses at `iteration`, known to every rank: the mean over the
+        evaluation's --eval-iters global batches, cut into micro-batches as a training step
+        cuts its batch, forward only, without gradients and with dropout off. It draws no
+        random numbers a step uses (each step seeds its own) and changes no state."""
+        args = self.args
+        step = bert_forward_step if args.model == "bert" else gpt_forward_step
+        total = args.global_batch_size // args.micro_batch_size
+        sums: dict[str, float] = {}
+        for chunk in self.model:
+            chunk.train(False)  # dropout off
+        try:
+            with torch.no_grad():
+                for batch in validation_batch_indices(args, iteration):
+                    micro_batches = rank_micro_batches(batch * args.global_batch_size, args.global_batch_size,
+                                                       args.micro_batch_size, self.dp_rank, self.dp_size)
+                    outputs = self.forward_backward(
+                        forward_step_func=partial(step, 1.0),
+                        data_iterator=step_iterator(dataset, micro_batches),
+                        model=self.model,
+                        num_microbatches=len(micro_batches),
+                        seq_length=args.seq_length,
+                        micro_batch_size=args.micro_batch_size,
+                        forward_only=True,
+                    )
+                    for name, value in _global_mean_losses(outputs, total).items():
+                        sums[name] = sums.get(name, 0.0) + value
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        return {name: value / args.eval_iters for name, value in sums.items()}
 
     def destroy(self) -> None:
         """Drop this layout's objects and process groups (megatron-core forgets some)."""

@@ -4,7 +4,8 @@ Samples are addressed by their index in the training stream. A step consumes the
 batch [consumed, consumed + G); it is cut into micro-batches of consecutive samples, and
 micro-batch k goes to data-parallel rank k mod D. The cut does not depend on D, so every
 layout trains the same micro-batches in the same step, and a job that changes layout
-needs nothing but the consumed-samples count to continue.
+needs nothing but the consumed-samples count to continue. An evaluation's batches of the
+validation split are cut the same way, and chosen by its iteration alone.
 """
 
 from __future__ import annotations
@@ -43,15 +44,19 @@ def build_tokenizer(args: argparse.Namespace) -> Tokenizer | MockTokenizer:
     return MockTokenizer(args.vocab_size)
 
 
-def build_train_dataset(args: argparse.Namespace, tokenizer) -> torch.utils.data.Dataset:
-    """The training split, long enough for --train-iters global batches."""
+def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[torch.utils.data.Dataset,
+                                                                  torch.utils.data.Dataset | None]:
+    """The training split, long enough for --train-iters global batches, and the validation
+    split, long enough for every evaluation (None without --eval-interval)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
     num_samples = args.train_iters * args.global_batch_size
+    num_valid = validation_batches(args) * args.global_batch_size
+    blend = args.data_blend
     common = dict(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=None if args.mock_data else (list(args.data_path), None),
+        blend=None if blend is None else (list(blend.prefixes), blend.weights and list(blend.weights)),
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
@@ -75,13 +80,32 @@ def build_train_dataset(args: argparse.Namespace, tokenizer) -> torch.utils.data
     # Independently started workers (--parcae-etcd, no WORLD yet) build at once; megatron-core
     # writes its index cache without locking, so one builds while the others wait, then read
     # its cache. (Within a WORLD megatron-core builds on rank 0 behind a barrier itself.)
-    independent = not args.mock_data and not torch.distributed.is_initialized()
-    lock_dir = Path(args.data_cache_path or Path(args.data_path[0]).parent) if independent else None
+    independent = blend is not None and not torch.distributed.is_initialized()
+    lock_dir = Path(args.data_cache_path or Path(blend.prefixes[0]).parent) if independent else None
     with _exclusive(lock_dir / ".parcae-dataset-build.lock" if lock_dir else None):
-        train, _, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, 0, 0], lambda: True, config).build()
+        train, valid, _ = BlendedMegatronDatasetBuilder(cls, [num_samples, num_valid, 0], lambda: True, config).build()
     if train is None or len(train) < num_samples:
         raise ValueError(f"--data-path holds too little data for {num_samples} training samples")
-    return train
+    if num_valid == 0:
+        return train, None
+    if valid is None or len(valid) < num_valid:
+        raise ValueError(f"--split: the validation split holds too little data for {num_valid} samples")
+    return train, valid
+
+
+def validation_batches(args: argparse.Namespace) -> int:
+    """Global batches the run's evaluations read in all: --eval-iters at each --eval-interval."""
+    if args.eval_interval is None:
+        return 0
+    return args.train_iters // args.eval_interval * args.eval_iters
+
+
+def validation_batch_indices(args: argparse.Namespace, iteration: int) -> range:
+    """The validation global batches of the evaluation at `iteration`: each evaluation reads
+    the --eval-iters batches after the previous one's, by the iteration alone, so a resumed
+    or relaid-out run reads what an uninterrupted one reads."""
+    first = (iteration // args.eval_interval - 1) * args.eval_iters
+    return range(first, first + args.eval_iters)
 
 
 @contextlib.contextmanager

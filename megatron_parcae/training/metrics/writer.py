@@ -1,0 +1,92 @@
+"""The one writer of training scalars: it turns events into Megatron-LM's scalar tags
+(plus the layout's, under `parcae/`) and hands each to every back-end.
+
+The layout's rank 0, which reports the events, writes; Megatron-LM writes from its last
+rank because only the last pipeline stage holds the loss there, which is also the rank
+that prints its iteration line. Here the losses reach every rank and rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Protocol
+
+from megatron_parcae.events import Evaluation, Iteration, LayoutChange, TrainingEvent
+
+
+class ScalarBackend(Protocol):
+    def add_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """Record `scalars` (tag: value) at iteration `step`, durably before returning."""
+
+    def close(self) -> None:
+        ...
+
+
+class MetricsWriter:
+    """Scalars of the events it is given, to each back-end; back-ends open on first use,
+    so that processes that never report leave no files."""
+
+    def __init__(self, args: argparse.Namespace, flops_per_step: float) -> None:
+        self.args = args
+        self.flops_per_step = flops_per_step
+        self._backends: list[ScalarBackend] | None = None
+
+    def iteration(self, event: Iteration, tp: int, pp: int, dp: int) -> None:
+        """A training step, trained in layout T`tp` P`pp` D`dp`."""
+        seconds = event.ms_per_iteration / 1000.0
+        scalars = {
+            **event.losses,
+            "learning-rate": event.learning_rate,
+            "grad-norm": event.grad_norm,
+            "batch-size": float(event.global_batch_size),
+            "iteration-time": seconds,
+            "samples-per-second": event.global_batch_size / seconds,
+            "throughput": tflops_per_gpu(self.flops_per_step, seconds, tp * pp * dp),
+            "parcae/tensor-model-parallel-size": float(tp),
+            "parcae/pipeline-model-parallel-size": float(pp),
+            "parcae/data-parallel-size": float(dp),
+        }
+        if event.loss_scale is not None:
+            scalars["loss-scale"] = event.loss_scale
+        self._write(scalars, event.iteration)
+
+    def reported(self, event: TrainingEvent) -> None:
+        """An event `events.report` logged; iterations come with their layout through `iteration`."""
+        if isinstance(event, Evaluation):
+            self._write({f"{name} validation": value for name, value in event.losses.items()}, event.iteration)
+        elif isinstance(event, LayoutChange):
+            self._write({"parcae/layout-change-seconds": event.seconds}, event.iteration)
+
+    def close(self) -> None:
+        for backend in self._backends or ():
+            backend.close()
+        self._backends = None
+
+    def _write(self, scalars: dict[str, float], step: int) -> None:
+        if self._backends is None:
+            self._backends = open_backends(self.args)
+        for backend in self._backends:
+            backend.add_scalars(scalars, step)
+
+
+def tflops_per_gpu(flops_per_step: float, seconds_per_step: float, gpus: int) -> float:
+    """Megatron-LM's `throughput per GPU (TFLOP/s/GPU)`."""
+    return flops_per_step / (seconds_per_step * 1e12 * gpus)
+
+
+def open_backends(args: argparse.Namespace) -> list[ScalarBackend]:
+    """The back-ends the flags ask for (imported only then: each takes seconds to load)."""
+    backends: list[ScalarBackend] = []
+    if args.tensorboard_dir is not None:
+        from megatron_parcae.training.metrics.tensorboard_backend import TensorBoardBackend
+
+        backends.append(TensorBoardBackend(args.tensorboard_dir))
+    if args.wandb_project is not None:
+        from megatron_parcae.training.metrics.wandb_backend import WandbBackend
+
+        backends.append(WandbBackend(args))
+    return backends
+
+
+def wanted(args: argparse.Namespace) -> bool:
+    return args.tensorboard_dir is not None or args.wandb_project is not None
