@@ -172,15 +172,8 @@ class LayoutRuntime:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self.forward_backward(
-            forward_step_func=partial(step, _loss_weight(len(micro_batches), total, self.dp_size)),
-            data_iterator=step_iterator(dataset, micro_batches),
-            model=self.model,
-            num_microbatches=len(micro_batches),
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=False,
-        )
+        outputs = self._schedule(step, _loss_weight(len(micro_batches), total, self.dp_size), dataset,
+                                 micro_batches, forward_only=False)
         learning_rate = self.optimizer.param_groups[0]["lr"]
         # Every collective of the step before the update (the plain optimizer's step then
         # makes none after it): a rank that fails in one has not changed its state.
@@ -208,21 +201,25 @@ class LayoutRuntime:
                 for batch in validation_batch_indices(args, iteration):
                     micro_batches = rank_micro_batches(batch * args.global_batch_size, args.global_batch_size,
                                                        args.micro_batch_size, self.dp_rank, self.dp_size)
-                    outputs = self.forward_backward(
-                        forward_step_func=partial(step, 1.0),
-                        data_iterator=step_iterator(dataset, micro_batches),
-                        model=self.model,
-                        num_microbatches=len(micro_batches),
-                        seq_length=args.seq_length,
-                        micro_batch_size=args.micro_batch_size,
-                        forward_only=True,
-                    )
+                    outputs = self._schedule(step, 1.0, dataset, micro_batches, forward_only=True)
                     for name, value in _global_mean_losses(outputs, total).items():
                         sums[name] = sums.get(name, 0.0) + value
         finally:
             for chunk in self.model:
                 chunk.train()
         return {name: value / args.eval_iters for name, value in sums.items()}
+
+    def _schedule(self, step, weight: float, dataset, micro_batches, forward_only: bool):
+        """This rank's micro-batches through the layout's pipeline schedule."""
+        return self.forward_backward(
+            forward_step_func=partial(step, weight),
+            data_iterator=step_iterator(dataset, micro_batches),
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+        )
 
     def destroy(self) -> None:
         """Drop this layout's objects and process groups (megatron-core forgets some)."""
