@@ -341,8 +341,10 @@ def test_leases_of_a_client_share_one_keep_alive_stream_and_a_revoked_one_is_los
                         for _ in range(49)]
     time.sleep(1.5 * LEASE_S)  # longer than the leases: only keep-alives keep them
     now_streams, now_received = _keep_alive_rpcs(etcd_server)
-    assert threading.active_count() <= threads  # no thread per lease
     assert now_streams - streams <= 1  # none, or one re-opened after a stall on a busy machine
+    # no thread per lease (49 more); gRPC's request thread of a stream re-opened, or being
+    # re-opened, on a busy machine may be one more for a moment
+    assert threading.active_count() <= threads + 1
     assert now_received - received >= 2 * len(leases)
     assert not any(lease.lost for lease in leases)
     _attach(client, leases)
