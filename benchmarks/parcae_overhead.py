@@ -161,10 +161,20 @@ def _children(pid: int) -> list[int]:
     return [child.pid for child in psutil.Process(pid).children()]
 
 
+def _failed(proc: subprocess.Popen) -> bool:
+    """Whether `proc` ended other than with exit status 0; it is not reaped, so its CPU
+    times stay readable until the run is waited for."""
+    if proc.returncode is not None:
+        return proc.returncode != 0
+    ended = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    return ended is not None and (ended.si_code != os.CLD_EXITED or ended.si_status != 0)
+
+
 def follow(piped: list[subprocess.Popen], events: Path, training: Callable[[], list[int]], side: list[int],
            what: str, serving: tuple[subprocess.Popen, ...] = ()) -> tuple[str, list[Event], dict[int, tuple[float, float]]]:
     """Read the piped processes' output until all of them exit 0, and their events;
-    RunFailed at once if a `serving` process (the coordinator) exits first.
+    RunFailed at once if a `serving` process (the coordinator) fails. One that exits 0
+    saw training end (the coordinator's `done`), maybe before the last lines are read.
 
     Returns the output, the events and, for each reported iteration, the CPU seconds the
     training and the side processes had spent when its log line arrived (an event is
@@ -179,9 +189,9 @@ def follow(piped: list[subprocess.Popen], events: Path, training: Callable[[], l
     reported: list[Event] = []
     cpu_at: dict[int, tuple[float, float]] = {}
     while selector.get_map() and time.monotonic() < deadline:
-        stopped = [proc.args[:4] for proc in serving if proc.poll() is not None]
-        if stopped:
-            raise RunFailed(f"{what}: {' '.join(map(str, stopped[0]))} exited before training ended")
+        failed = [proc.args[:4] for proc in serving if _failed(proc)]
+        if failed:
+            raise RunFailed(f"{what}: {' '.join(map(str, failed[0]))} failed before training ended")
         for key, _ in selector.select(timeout=1.0):
             data = os.read(key.fd, 1 << 16)
             if not data:
