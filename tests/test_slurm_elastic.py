@@ -124,7 +124,9 @@ class ElasticJob:
         full = next(p for p in published if world(p) == NODES)
         shrink = next(p for p in published if p.generation > full.generation)
         grow = next((p for p in published if p.generation > shrink.generation and world(p) == NODES), None)
-        assert grow is not None, f"the layout did not grow back: {[(p.generation, p.workers, p.reason) for p in published]}"
+        assert grow is not None, \
+            f"the layout did not grow back: {[(p.generation, p.workers, p.reason) for p in published]}\n" \
+            f"{logs(self.run_dir)}"
         return full, shrink, grow
 
     def change_of(self, plan: PlanPublished) -> LayoutChange:
