@@ -43,13 +43,19 @@ def test_flags_train_the_same_model_through_tensor_pipeline_and_data_changes(tin
 
 
 @pytest.mark.slow
-def test_swiglu_is_recut_when_tensor_parallelism_changes(tiny_data):
-    """fc1 holds [gate; up] per TP shard (stride 2): T 2 -> 1 must regroup both halves."""
+def test_swiglu_is_recut_when_tensor_parallelism_changes_and_in_checkpoints(tiny_data, tmp_path):
+    """fc1 holds [gate; up] per TP shard (stride 2): T 2 -> 1 must regroup both halves, and
+    a checkpoint written at T = 2 resumes at T = 1 as the uninterrupted run goes on."""
     flags = SMALL_GPT + ["--swiglu", "--train-iters", "4"]
     changed = torchrun("pretrain_gpt.py", 2, flags + layout_flags(2, 1) + [
         "--parcae", "--parcae-layout-schedule", "2:1,1,2"], timeout=300)
     assert [(c.kind, c.tp) for c in changed.of(events.LayoutChange)] == [("tensor", 1)]
-    assert_close(losses(changed), losses(torchrun("pretrain_gpt.py", 1, flags)))
+    reference = losses(torchrun("pretrain_gpt.py", 1, flags))
+    assert_close(losses(changed), reference)
+    losses(torchrun("pretrain_gpt.py", 2, flags + layout_flags(2, 1) + [
+        "--save", str(tmp_path / "t2"), "--save-interval", "2", "--exit-interval", "2"]))
+    resumed = losses(torchrun("pretrain_gpt.py", 1, flags + ["--load", str(tmp_path / "t2")]))
+    assert_close(resumed, {i: reference[i] for i in (3, 4)})
 
 
 def _parse(extra: list[str], world_size: int = 1):
@@ -72,9 +78,8 @@ def _parse(extra: list[str], world_size: int = 1):
     (["--group-query-attention", "--num-query-groups", "1", "--parcae", "--parcae-layout-schedule", "2:2,1,1"], 2,
      "--parcae-layout-schedule: change at iteration 2: model.num_query_groups 1 is not divisible by layout.tp 2"),
     (["--rotary-percent", "0"], 1, "--rotary-percent must be in (0, 1]"),
-    (["--swiglu", "--save", "ckpt"], 1, "--swiglu cannot be combined with --save or --load"),
 ], ids=["param-gather-plain-adam", "param-gather-alone", "method-without-full", "layers-with-selective",
-        "full-without-method", "groups-divide-heads", "groups-divide-tp", "schedule-changes-tp", "rotary-percent", "swiglu-checkpoints"])
+        "full-without-method", "groups-divide-heads", "groups-divide-tp", "schedule-changes-tp", "rotary-percent"])
 def test_bad_combinations_fail_before_training(tiny_data, extra, world, message):
     with pytest.raises(ArgumentError, match=re.escape(message)):
         _parse(extra, world)
@@ -100,3 +105,21 @@ def test_shape_follows_the_flags(tiny_data):
     assert flagged.unit(HEAD).split_params == plain.unit(HEAD).split_params + 384 * 64
     # QKV loses 2 of 4 key/value heads of 16 (2 x 2 x 16 x 64 weights and 64 biases); fc1 doubles (256 x 64 + 256).
     assert flagged.unit("layer.0").split_params - plain.unit("layer.0").split_params == 256 * 65 - 64 * 65
+
+
+def test_a_checkpoint_loads_only_into_the_flags_that_wrote_it(tiny_data):
+    """RoPE drops the position table, RMSNorm the biases, GQA shrinks QKV: another value
+    of any of them is refused by name; a record without the newer flags has their defaults."""
+    from megatron_parcae.training.checkpointing import CheckpointError, _shape, check_same_model
+
+    plain = _parse([])
+    saved = _shape(plain)
+    check_same_model("ckpt", saved, plain)
+    check_same_model("ckpt", {k: saved[k] for k in ("model", "num_layers", "hidden_size", "ffn_hidden_size",
+                                                     "num_attention_heads", "max_position_embeddings")}, plain)
+    for extra, named in [(["--position-embedding-type", "rope"], "position_embedding_type: learned_absolute != rope"),
+                         (["--normalization", "RMSNorm"], "normalization: LayerNorm != RMSNorm"),
+                         (["--swiglu"], "swiglu: False != True"),
+                         (["--group-query-attention", "--num-query-groups", "2"], "num_query_groups: None != 2")]:
+        with pytest.raises(CheckpointError, match=re.escape(f"--load ckpt: checkpoint is of another model ({named})")):
+            check_same_model("ckpt", saved, _parse(extra))

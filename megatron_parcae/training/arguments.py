@@ -390,9 +390,6 @@ def _validate_model_flags(args: argparse.Namespace) -> None:
                "--recompute-method needs --recompute-granularity full")
         _check(args.recompute_num_layers is None,
                "--recompute-num-layers needs --recompute-granularity full")
-    # Checkpoints write tensor-parallel shards whole; SwiGLU's fc1 shard is [gate; up], two pieces.
-    _check(not (args.swiglu and (args.save or args.load)),
-           "--swiglu cannot be combined with --save or --load: checkpoints do not yet split its [gate; up] shards")
     _check(not args.overlap_param_gather or args.use_distributed_optimizer,
            "--overlap-param-gather needs --use-distributed-optimizer")
     _check(not args.overlap_param_gather or args.overlap_grad_reduce,

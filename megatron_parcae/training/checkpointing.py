@@ -43,18 +43,22 @@ from reconfig.world import patient
 
 TRACKER = "latest_checkpointed_iteration.txt"
 PROGRESS = "parcae_progress.json"
-# Flags that change the model's shape: a checkpoint only loads into the same values.
-SHAPE_FLAGS = ("model", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-               "max_position_embeddings", "bert_no_binary_head")
+# Flags that change the model's parameters: a checkpoint only loads into the same values.
+# Each with the value a checkpoint that does not record it was written with.
+SHAPE_FLAGS = {"model": None, "num_layers": None, "hidden_size": None, "ffn_hidden_size": None,
+               "num_attention_heads": None, "max_position_embeddings": None, "bert_no_binary_head": False,
+               "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+               "untie_embeddings_and_output_weights": False, "swiglu": False, "num_query_groups": None}
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, unreadable or of another model."""
 
 
-def _sharded(shard: ParamShard, key: str, tensor: torch.Tensor, tied_copy: bool) -> ShardedTensor:
-    if shard.partition_stride != 1:
-        raise CheckpointError(f"{shard.global_name}: strided tensor-parallel splits are not supported")
+def _sharded(shard: ParamShard, key: str, tensor: torch.Tensor, tied_copy: bool) -> list[ShardedTensor]:
+    """The checkpoint's tensors of one shard. A strided split (SwiGLU's fc1 holds its
+    [gate; up] slices) is written as one tensor per stride part, `.../part<i>`, each cut
+    over TP plainly, so that any T reads it."""
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     split = shard.partition_dim is not None
     # One main replica per element: DP replicas, TP copies of unsplit tensors and the
@@ -62,7 +66,27 @@ def _sharded(shard: ParamShard, key: str, tensor: torch.Tensor, tied_copy: bool)
     replica = (int(tied_copy), 0 if split else tp_rank, ps.get_data_parallel_rank())
     offsets = [(shard.partition_dim, tp_rank, tp_size)] if split else []
     name = f"{key}/{shard.global_name}"
-    return ShardedTensor.from_rank_offsets(name, tensor, *offsets, replica_id=replica)
+    if shard.partition_stride == 1:
+        return [ShardedTensor.from_rank_offsets(name, tensor, *offsets, replica_id=replica)]
+    parts = tensor.chunk(shard.partition_stride, dim=shard.partition_dim)
+    return [ShardedTensor.from_rank_offsets(f"{name}/part{i}", part.contiguous(), *offsets, replica_id=replica)
+            for i, part in enumerate(parts)]
+
+
+def _joined(shard: ParamShard, key: str, loaded: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One shard's tensor from what `_sharded` wrote of it."""
+    name = f"{key}/{shard.global_name}"
+    if shard.partition_stride == 1:
+        return loaded[name]
+    return torch.cat([loaded[f"{name}/part{i}"] for i in range(shard.partition_stride)], dim=shard.partition_dim)
+
+
+def _shape(args) -> dict:
+    """The values of SHAPE_FLAGS a run has; query groups count only under GQA."""
+    shape = {flag: getattr(args, flag, default) for flag, default in SHAPE_FLAGS.items()}
+    if not getattr(args, "group_query_attention", False):
+        shape["num_query_groups"] = None
+    return shape
 
 
 def _is_tied_copy(shard: ParamShard) -> bool:
@@ -125,8 +149,8 @@ class Checkpointer:
         for st in states:
             tied = _is_tied_copy(st.shard)
             for key in STATE_KEYS:
-                item = _sharded(st.shard, key, st.tensors[key], tied)
-                sharded[item.key] = item
+                for item in _sharded(st.shard, key, st.tensors[key], tied):
+                    sharded[item.key] = item
         directory = Path(self.root) / f"iter_{progress.iteration:07d}"
         if dist.get_rank() == 0:
             directory.mkdir(parents=True, exist_ok=True)
@@ -138,7 +162,7 @@ class Checkpointer:
             "optimizer_step": step_count(runtime.optimizer),
             "scheduler_num_steps": runtime.scheduler.num_steps,
             "loss_scale": None if (scale := loss_scale_state(runtime.optimizer)) is None else scale.to_dict(),
-            "model": {flag: getattr(runtime.args, flag) for flag in SHAPE_FLAGS},
+            "model": _shape(runtime.args),
         }
         request.add_finalize_fn(lambda: self._record(directory, meta))
         if self.asynchronous:
@@ -214,23 +238,28 @@ def read_progress(root: str) -> tuple[Path, dict]:
     return directory, meta
 
 
+def check_same_model(root: str, saved: dict, args) -> None:
+    """Refuse a checkpoint whose recorded SHAPE_FLAGS differ from `args`'."""
+    wanted, saved = _shape(args), {**SHAPE_FLAGS, **saved}
+    diff = ", ".join(f"{k}: {saved[k]} != {v}" for k, v in wanted.items() if saved[k] != v)
+    if diff:
+        raise CheckpointError(f"--load {root}: checkpoint is of another model ({diff})")
+
+
 def load(root: str, runtime):
     """Load the newest checkpoint under `root` into a freshly built runtime; returns Progress."""
     directory, meta = read_progress(root)
-    wanted = {flag: getattr(runtime.args, flag) for flag in SHAPE_FLAGS}
-    if meta["model"] != wanted:
-        diff = ", ".join(f"{k}: {meta['model'].get(k)} != {v}" for k, v in wanted.items() if meta["model"].get(k) != v)
-        raise CheckpointError(f"--load {root}: checkpoint is of another model ({diff})")
+    check_same_model(root, meta["model"], runtime.args)
     initialize_optimizer_states(runtime.optimizer)
     shards = [s for chunk in runtime.model for s in param_shards(unwrap(chunk))]
     template = {}
     for shard in shards:
         for key in STATE_KEYS:
             empty = torch.empty(shard.param.shape, dtype=torch.float32)  # host: written into the optimizer next
-            item = _sharded(shard, key, empty, _is_tied_copy(shard))
-            template[item.key] = item
+            for item in _sharded(shard, key, empty, _is_tied_copy(shard)):
+                template[item.key] = item
     loaded = dist_checkpointing.load(template, str(directory))
-    states = {s.global_name: {key: loaded[f"{key}/{s.global_name}"] for key in STATE_KEYS} for s in shards}
+    states = {s.global_name: {key: _joined(s, key, loaded) for key in STATE_KEYS} for s in shards}
     import_param_states(runtime.model, runtime.optimizer, states, meta["optimizer_step"])
     load_loss_scale_state(runtime.optimizer, meta.get("loss_scale"))
     runtime.scheduler.num_steps = meta["scheduler_num_steps"]
