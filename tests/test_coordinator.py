@@ -173,6 +173,45 @@ while True:
 """
 
 
+def test_each_interval_charts_availability_forecast_and_liveput_at_the_jobs_iteration(job):
+    """tensorboard-dir: read back with TensorBoard's reader, at the iteration the job's
+    progress record says (the step the workers' own scalars use)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_parcae.control.etcd.keys import ProgressRecord
+    from megatron_parcae.scalars.tensorboard_backend import TensorBoardBackend
+
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(2)]
+    board = tmp_path / "board"
+    config = CoordinatorConfig.load(write_config(tmp_path, **{"interval-seconds": 1, "tensorboard-dir": "board"}))
+    assert config.tensorboard_dir == board
+    scalars = TensorBoardBackend(str(board))
+    coordinator = Coordinator(store, config, config.optimizer(), "charting", scalars=scalars)
+    thread = threading.Thread(target=coordinator.serve, daemon=True)
+    thread.start()
+    try:
+        first = wait_generation(store, 1)
+        for worker in workers:
+            worker.acknowledge(1)
+        writer = min(first.workers)
+        assert store.record_progress(ProgressRecord(1, 7, 56, time.time()), writer, workers[writer].lease.id)
+        time.sleep(3.5)
+    finally:
+        coordinator.stop()
+        thread.join(10)
+        scalars.close()
+    reader = EventAccumulator(str(board), size_guidance={"scalars": 0})
+    reader.Reload()
+    charted = {tag: [(e.step, e.value) for e in reader.Scalars(tag)] for tag in reader.Tags()["scalars"]}
+    assert set(charted) == {"parcae/available-instances", "parcae/forecast-instances",
+                            "parcae/liveput-samples-per-second"}
+    assert {value for _, value in charted["parcae/available-instances"]} == {2.0}
+    assert all(value == pytest.approx(2.0) for _, value in charted["parcae/forecast-instances"])
+    assert all(value > 0 for _, value in charted["parcae/liveput-samples-per-second"])
+    assert 7 in {step for step, _ in charted["parcae/available-instances"]}
+
+
 def test_arrival_grows_the_layout_once_the_current_one_is_applied(job):
     store, workers, tmp_path = job
     workers += [Worker(store, w) for w in range(3)]
@@ -473,6 +512,8 @@ BAD_CONFIGS = [
     ({"colour": "blue"}, "unknown key(s) colour"),
     ({"min-workers": 9}, "min-workers 9 exceeds max-workers 8"),
     ({"forecaster": "oracle"}, "forecaster: expected one of default, last-value"),
+    ({"tensorboard-dir": 3}, "tensorboard-dir: expected a folder path, got 3"),
+    ({"tensorboard-dir": "tiny.json"}, "tiny.json is not a folder"),
 ]
 
 
@@ -507,7 +548,7 @@ VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 100), st.floats(all
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.sampled_from(["profile", "model", "cost-constants", "interval-seconds", "lookahead",
                                         "grace-seconds", "lease-seconds", "max-workers", "min-workers", "forecaster",
-                                        "x"]),
+                                        "tensorboard-dir", "x"]),
                        VALUES, max_size=6))
 def test_config_loader_gives_only_clear_errors(data):
     try:

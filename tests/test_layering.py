@@ -52,3 +52,21 @@ def test_no_import_circle():
     for module in sorted(graph):
         if module not in state:
             visit(module, [module])
+
+
+# megatron_parcae's rooms, lowest first (docs/design.md): a module imports only its own
+# room and rooms of a lower rank; the rank-0 rooms import only the leaves.
+RANKS = {"events": 0, "scalars": 0, "liveput": 0, "control": 1, "training": 2, "tools": 3, "cli": 4}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "megatron_parcae" and len(parts) > 1 else None
+
+
+def test_rooms_import_only_rooms_below_them():
+    graph = _imports()
+    assert {_room(m) for m in graph} - {None} == set(RANKS), "a room docs/design.md does not rank"
+    wrong = {(m, d) for m, deps in graph.items() if _room(m) for d in deps
+             if _room(d) and _room(d) != _room(m) and RANKS[_room(d)] >= RANKS[_room(m)]}
+    assert not wrong, sorted(wrong)

@@ -44,6 +44,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import math
@@ -87,6 +88,7 @@ from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, b
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
 from megatron_parcae.liveput.learned import ThroughputLearner
 from megatron_parcae.liveput.throughput import ThroughputModel
+from megatron_parcae.scalars import ScalarBackend
 from predictor.forecast import FORECASTERS, AvailabilityForecast, Forecaster, make_forecaster
 from reconfig.layout import Layout
 from reconfig.plan import MigrationPlan
@@ -121,6 +123,7 @@ class CoordinatorConfig:
     distributed_optimizer: bool = False  # the workers train with --use-distributed-optimizer
     gpus_per_instance: int = 1  # workers (GPUs) of an instance: a preemption takes them all
     forecaster: str = "default"  # predictor.forecast.FORECASTERS: availability over the lookahead
+    tensorboard_dir: Path | None = None  # where each interval's forecast and liveput go as TensorBoard scalars
 
     @classmethod
     def load(cls, path: str | Path) -> CoordinatorConfig:
@@ -153,6 +156,13 @@ class CoordinatorConfig:
                 if not isinstance(value, str) or not value:
                     raise ConfigError(f"{where}: model: expected a model name, got {value!r}")
                 values[name] = value
+            elif name == "tensorboard_dir":
+                if not isinstance(value, str) or not value:
+                    raise ConfigError(f"{where}: {key}: expected a folder path, got {value!r}")
+                folder = Path(value) if Path(value).is_absolute() else base / value
+                if folder.exists() and not folder.is_dir():
+                    raise ConfigError(f"{where}: {key}: {folder} is not a folder")
+                values[name] = folder
             elif name == "forecaster":
                 if value not in FORECASTERS:
                     raise ConfigError(f"{where}: forecaster: expected one of {', '.join(FORECASTERS)}, got {value!r}")
@@ -236,9 +246,11 @@ class Coordinator:
     """
 
     def __init__(self, store: JobStore, config: CoordinatorConfig, optimizer: LiveputOptimizer, candidate: str,
-                 events: EventWriter | None = None) -> None:
+                 events: EventWriter | None = None, scalars: ScalarBackend | None = None) -> None:
         self._store = store
         self._events = events or EventWriter(None)  # each published plan, for programs (--events)
+        self._scalars = scalars  # each interval's availability, forecast and liveput, for dashboards
+        self._liveput: float | None = None  # samples/s the newest decision expects over the lookahead
         self._client: EtcdClient = store.client
         self._config = config
         self._optimizer = optimizer
@@ -517,6 +529,8 @@ class Coordinator:
         members = self._store.members()
         view = self._view(generation, current, members, now)
         boundary = self._close_intervals(view.available, now)
+        if boundary and self._scalars is not None:
+            self._chart()
         if boundary and current is not None:
             self._learn(generation, current)
         batching = self._batching(view)
@@ -526,7 +540,7 @@ class Coordinator:
                             f"({len(view.available)} registered)")
         elif saved:
             if not self._saving(generation, layout, members):
-                decision = self._optimizer.decide(None, view.available, self._forecast, placement=view.placement)
+                decision = self._decide(None, view.available, self._forecast, placement=view.placement)
                 if decision.layout is None:
                     self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")
                 else:
@@ -552,7 +566,7 @@ class Coordinator:
             # A change the membership forces waits only for the rest of a batch of notices.
             if not batching if forced else settled:
                 busy = 0.0 if settled else max(0.0, self._busy_until - time.monotonic())
-                decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving, busy,
+                decision = self._decide(current, view.available, self._forecast, view.leaving, busy,
                                                   placement=view.placement)
                 if decision.layout is None and forced and self._can_save_and_exit(current, view, members):
                     reason = (f"{self._reason(current, current, view)}; no layout for the {len(view.available)} "
@@ -569,6 +583,25 @@ class Coordinator:
                     return
         if boundary:
             self._save()
+
+    def _decide(self, *args, **kwargs) -> Decision:
+        """The optimizer's decision; its expected liveput is kept for the interval's scalars."""
+        decision = self._optimizer.decide(*args, **kwargs)
+        if decision.layout is not None:
+            self._liveput = decision.expected_samples / (self._optimizer.horizon * self._interval)
+        return decision
+
+    def _chart(self) -> None:
+        """An interval ended: its available instances, the forecast of the intervals after
+        the coming one and the newest decision's liveput, at the job's iteration (the step
+        the workers' scalars use)."""
+        progress = self._store.progress()
+        scalars = {"parcae/available-instances": float(self._history[-1][0])}
+        if self._forecast is not None:
+            scalars["parcae/forecast-instances"] = float(self._forecast.expected[0])
+        if self._liveput is not None:
+            scalars["parcae/liveput-samples-per-second"] = self._liveput
+        self._scalars.add_scalars(scalars, 0 if progress is None else progress.iteration)
 
     def _learn(self, generation: int, current: Layout) -> None:
         """Feed the running layout's new step reports to the learner; re-plan with what it
@@ -637,9 +670,9 @@ class Coordinator:
     def _recovery(self, current: Layout, view: MemberView) -> Decision:
         """The plan after the current layout's WORLD broke (every live worker of it reported)."""
         if not view.state_kept:
-            return self._optimizer.decide(None, view.available, self._forecast,  # from the last checkpoint
+            return self._decide(None, view.available, self._forecast,  # from the last checkpoint
                                           placement=view.placement)
-        decision = self._optimizer.decide(current, view.available, self._forecast, view.leaving,
+        decision = self._decide(current, view.available, self._forecast, view.leaving,
                                           placement=view.placement)
         if decision.layout == current:
             return self._optimizer.rebuild(current)
@@ -714,7 +747,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
                              "lease-seconds, max-workers, min-workers, distributed-optimizer, gpus-per-instance, "
-                             "forecaster (see CoordinatorConfig)")
+                             "forecaster, tensorboard-dir (see CoordinatorConfig)")
     parser.add_argument("--events", default=None, metavar="FILE",
                         help="append each published plan to FILE as a JSON line (megatron_parcae/events.py)")
 
@@ -732,9 +765,15 @@ def run(args: argparse.Namespace) -> int:
     except EtcdError as exc:
         print(f"parcae coordinator: error: {exc}", file=sys.stderr)
         return 1
-    with client:
+    scalars = None
+    if config.tensorboard_dir is not None:
+        from megatron_parcae.scalars.tensorboard_backend import TensorBoardBackend
+
+        scalars = TensorBoardBackend(str(config.tensorboard_dir))
+    with client, contextlib.closing(scalars) if scalars is not None else contextlib.nullcontext():
         candidate = f"{socket.gethostname()}:{os.getpid()}"
-        coordinator = Coordinator(JobStore(client, args.job), config, optimizer, candidate, EventWriter(args.events))
+        coordinator = Coordinator(JobStore(client, args.job), config, optimizer, candidate, EventWriter(args.events),
+                                  scalars)
         # serve() runs on a thread: a handler runs on the main thread between two bytecodes,
         # and stop() there would deadlock if it interrupted serve() holding the same lock.
         with ThreadPoolExecutor(1, thread_name_prefix="parcae-coordinator") as pool:

@@ -1,2 +1,3 @@
 """Training scalars for dashboards (--tensorboard-dir, --wandb-project), made from the
-typed events of megatron_parcae/events.py: one writer, one module per back-end."""
+typed events of megatron_parcae/events.py, by one writer, to the back-ends of
+megatron_parcae/scalars/."""

@@ -9,17 +9,9 @@ that prints its iteration line. Here the losses reach every rank and rank 0 prin
 from __future__ import annotations
 
 import argparse
-from typing import Protocol
 
 from megatron_parcae.events import Evaluation, Iteration, LayoutChange, TrainingEvent
-
-
-class ScalarBackend(Protocol):
-    def add_scalars(self, scalars: dict[str, float], step: int) -> None:
-        """Record `scalars` (tag: value) at iteration `step`, durably before returning."""
-
-    def close(self) -> None:
-        ...
+from megatron_parcae.scalars import ScalarBackend
 
 
 class MetricsWriter:
@@ -78,11 +70,11 @@ def open_backends(args: argparse.Namespace) -> list[ScalarBackend]:
     """The back-ends the flags ask for (imported only then: each takes seconds to load)."""
     backends: list[ScalarBackend] = []
     if args.tensorboard_dir is not None:
-        from megatron_parcae.training.metrics.tensorboard_backend import TensorBoardBackend
+        from megatron_parcae.scalars.tensorboard_backend import TensorBoardBackend
 
         backends.append(TensorBoardBackend(args.tensorboard_dir))
     if args.wandb_project is not None:
-        from megatron_parcae.training.metrics.wandb_backend import WandbBackend
+        from megatron_parcae.scalars.wandb_backend import WandbBackend
 
         backends.append(WandbBackend(args))
     return backends
