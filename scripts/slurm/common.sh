@@ -140,7 +140,8 @@ except EtcdNotInstalled as exc:
 }
 
 # Start a single-member etcd; its peer URL is on loopback, so the same data directory
-# serves again after a requeue to another batch host.
+# serves again after a requeue to another batch host. It keeps the newest 10,000
+# revisions (the job's progress is written every step; see etcd/server.py).
 start_etcd() {  # PYTHON ENDPOINT PORT DATA LOG
   local python=$1 endpoint=$2 port=$3 data=$4 log=$5 binaries etcd etcdctl peer waited=0
   binaries=$(find_etcd_binaries "$python")
@@ -150,7 +151,7 @@ start_etcd() {  # PYTHON ENDPOINT PORT DATA LOG
   start_background etcd_pid "$log" "$etcd" --name parcae --data-dir "$data" \
     --listen-client-urls "http://0.0.0.0:$port" --advertise-client-urls "http://$endpoint" \
     --listen-peer-urls "$peer" --initial-advertise-peer-urls "$peer" --initial-cluster "parcae=$peer" \
-    --logger zap --log-level warn
+    --logger zap --log-level warn --auto-compaction-mode revision --auto-compaction-retention 10000
   dry_run && return 0
   until "$etcdctl" --endpoints "http://127.0.0.1:$port" --command-timeout 2s endpoint health >/dev/null 2>&1; do
     kill -0 "$etcd_pid" 2>/dev/null || die "etcd exited at start; the end of $log: $(tail -n 5 "$log" 2>/dev/null)"

@@ -30,6 +30,11 @@ from megatron_parcae.control.etcd.client import EtcdError, TLSFiles
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None)  # loaded before fork: the child only calls prctl before exec
 _START_ATTEMPTS = 3  # free ports are picked before etcd binds them; another process may win
+# Rank 0 writes the job's progress every step: etcd keeps every revision until compacted,
+# so a long job's database and the server's memory would grow without end. etcd keeps the
+# newest KEPT_REVISIONS (it compacts every 5 minutes); the watches here start at the
+# current revision when (re)opened, so none asks for a compacted one.
+KEPT_REVISIONS = 10_000
 
 
 class EtcdNotInstalled(EtcdError):
@@ -181,6 +186,8 @@ class EtcdServer:
             "--initial-cluster", f"parcae={peer_url}",
             "--logger", "zap",
             "--log-level", "error",
+            "--auto-compaction-mode", "revision",
+            "--auto-compaction-retention", str(KEPT_REVISIONS),
         ]
         if self.tls is not None:
             command += ["--cert-file", str(self.tls.cert), "--key-file", str(self.tls.key), "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
