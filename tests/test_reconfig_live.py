@@ -134,12 +134,15 @@ def test_schedule_needs_parcae(tiny_data):
 
 @pytest.mark.slow
 def test_bert_changes_train_the_same_model(tiny_data):
-    """BERT (`encoder.layers`, random masking) with the distributed optimizer: replicas
-    leave (their optimizer shards move: not intra-stage), the pipeline deepens as two
-    workers join, then T changes (T=2, P=2)."""
+    """BERT (`encoder.layers`, random masking) with the distributed optimizer and the
+    model flags of tests/test_model_flags.py: replicas leave (their optimizer shards
+    move: not intra-stage), the pipeline deepens as two workers join, then T changes
+    (T=2, P=2)."""
     small = ["--config", "configs/bert-tiny.yaml", "--hidden-size", "64", "--seq-length", "32",
              "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-             "--train-iters", "8", "--log-interval", "1"]
+             "--train-iters", "8", "--log-interval", "1", "--position-embedding-type", "rope",
+             "--normalization", "RMSNorm", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+             "--untie-embeddings-and-output-weights"]
     run = torchrun("pretrain_bert.py", 6, small + layout_flags(1, 2) + [
         "--use-distributed-optimizer", "--parcae", "--parcae-layout-schedule", "2:1,2,1:leave=1,3;4:1,4,1:join=2;6:2,2,1"],
         timeout=300)
