@@ -103,17 +103,19 @@ def test_coordinator_can_fence_a_worker(job_agent):
     assert store.members() == {} and store.step_reports() == {}
 
 
-def test_progress_is_written_at_once_outlives_the_worker_and_not_by_a_fenced_one(job_agent):
+def test_progress_is_written_by_the_next_boundary_outlives_the_worker_and_not_by_a_fenced_one(job_agent):
     agent, store = job_agent
     assert store.publish_plan(envelope(1, [3]))
     agent.record_progress(2, 16, generation=1)  # a restart records before it acknowledges its plan
     assert store.progress().generation == 1 and store.progress().iteration == 2
     agent.acknowledge(1)
-    agent.record_progress(3, 24)  # no wait: it is in etcd when the call returns
+    agent.record_progress(3, 24)  # a step's record: sent, and answered by the next boundary
+    agent.progress_written()
     assert store.progress().to_dict() | {"recorded_at": 0} == {"generation": 1, "iteration": 3,
                                                                "consumed_samples": 24, "recorded_at": 0}
     assert store.fence_member(3)
     agent.record_progress(4, 32)
+    agent.progress_written()
     assert agent.fenced and store.progress().iteration == 3
     assert store.members() == {} and store.progress().consumed_samples == 24  # no lease holds it
 
@@ -292,3 +294,13 @@ def test_worker_ids_from_etcd_are_never_handed_out_twice(client):
         t.join()
     assert sorted(ids) == list(range(80))
     assert JobStore(client, store.keys.job).allocate_worker_id() == 80  # a later process goes on from there
+
+
+def test_a_step_record_in_flight_is_written_before_the_worker_deregisters(job_agent):
+    agent, store = job_agent
+    assert store.publish_plan(envelope(1, [3]))
+    agent.acknowledge(1)
+    for iteration in range(1, 30):
+        agent.record_progress(iteration, 8 * iteration)
+    agent.stop()
+    assert store.progress().iteration == 29 and store.members() == {}

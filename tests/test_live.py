@@ -53,4 +53,4 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     # The plan agreement of every boundary ran on the control plane (the fixture checks
     # that no collective broke the planes).
     sites, _ = read_findings(logs / "probe")
-    assert ("megatron_parcae/training/hooks/live.py:advance:all_reduce", "control") in sites, sites
+    assert ("megatron_parcae/training/hooks/live.py:_agree:all_reduce", "control") in sites, sites

@@ -13,7 +13,9 @@ background threads and the loop only reads and writes in-memory state:
             ...apply plan.layout / plan.migration at this iteration boundary...
             agent.acknowledge(plan.generation)
         ...one iteration...
-        agent.record_progress(iteration, consumed_samples)  # rank 0: the one synchronous write
+        agent.record_progress(iteration, consumed_samples)  # rank 0: sent now...
+        ...the next boundary's collectives...
+        agent.progress_written()                               # ...answered by now
         agent.report_step(iteration, seconds, consumed_samples)
     agent.stop()                           # deregisters: the member key disappears at once
 
@@ -35,7 +37,7 @@ import socket
 import threading
 import time
 
-from megatron_parcae.control.etcd.client import EtcdClient, EtcdError, KeptLease, WatchEvent
+from megatron_parcae.control.etcd.client import EtcdClient, EtcdError, KeptLease, StartedTxn, WatchEvent
 from megatron_parcae.control.etcd.keys import (
     JobStore,
     MemberRecord,
@@ -209,6 +211,7 @@ class ParcaeAgent:
         # store: the handler may not take locks): (received_at, deadline, reason).
         self._notice: tuple[float, float, str] | None = None
         self._notice_posted = False
+        self._progress_sent: tuple[ProgressRecord, StartedTxn] | None = None  # a step's record in flight
         self._notices = notices
         self._steps = _StepWindow()
         self._last_report_at = -math.inf
@@ -260,6 +263,8 @@ class ParcaeAgent:
         and give SIGTERM back to its previous handler."""
         if self._lease is None:
             return
+        if not self._fenced:
+            self.progress_written()
         self._stopping.set()
         self._wake.ring()
         if self._thread is not None and self._client.unreachable_seconds == 0:  # else it is stuck in a call
@@ -332,20 +337,55 @@ class ParcaeAgent:
         """Record how far training got (the running layout's rank 0, after each step, and
         a restart, which passes its plan's `generation`: it is not acknowledged yet).
 
-        Unlike the rest, this is written at once on the caller's thread: a restart from a
-        checkpoint must know exactly which steps it loses, also when every process that
-        trained them dies right after. While etcd does not answer, the agent thread
-        writes the newest record once it does (the step does not wait out a deadline).
+        Unlike the rest, this is sent from the caller's thread: a restart from a checkpoint
+        counts the steps it loses from it, also when every process that trained them died.
+        A restart's record is written at once. A step's is sent at once and
+        `progress_written()` waits for etcd's answer: the caller calls it after the next
+        boundary's plan agreement, so that its peers do not wait for etcd too (about 2 ms a
+        step on a busy machine; a background thread writing it instead cost more, taking
+        the GIL from the step). Should every process that trained a step die in the
+        milliseconds its record is in flight, a restart counts one step fewer than it
+        retrains. While etcd does not answer, the agent thread writes the newest record
+        once it does (the step does not wait out a deadline).
         """
+        record = ProgressRecord(self._current if generation is None else generation, iteration, consumed_samples,
+                                time.time())
+        self.progress_written()  # one record in flight at a time, in order
+        if generation is None and self._client.unreachable_seconds == 0:
+            with self._lock:
+                self._progress = None  # an older record the agent thread has not written yet
+            try:
+                self._progress_sent = (record, self._store.start_recording_progress(
+                    record, self.worker_id, self._lease.id, timeout=self.lease_seconds / 4))
+                return
+            except (EtcdError, SchemaError):
+                pass
         with self._lock:
-            self._progress = ProgressRecord(self._current if generation is None else generation, iteration,
-                                            consumed_samples, time.time())
+            self._progress = record
         if self._client.unreachable_seconds > 0:
             self._wake.ring()
             return
         try:  # well within a collective's timeout (a lease period): the step's peers wait
             written = self._publish_progress(timeout=self.lease_seconds / 4)
         except (EtcdError, SchemaError):
+            self._wake.ring()
+            return
+        if not written:
+            self._on_lease_lost()
+
+    def progress_written(self) -> None:
+        """Wait for the answer to the step's record `record_progress` sent, if any: fenced
+        if this worker is no longer a member; left to the agent thread if etcd failed."""
+        sent, self._progress_sent = self._progress_sent, None
+        if sent is None:
+            return
+        record, started = sent
+        try:
+            written = started.succeeded()
+        except EtcdError:
+            with self._lock:
+                if self._progress is None:
+                    self._progress = record
             self._wake.ring()
             return
         if not written:

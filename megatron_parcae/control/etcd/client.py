@@ -373,6 +373,14 @@ class EtcdClient:
         reads = [[_to_kv(kv) for kv in r.response_range.kvs] for r in response.responses if r.WhichOneof("response") == "response_range"]
         return TxnResult(response.succeeded, reads)
 
+    def start_txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], timeout: float | None = None) -> StartedTxn:
+        """`txn` sent now and answered later: the caller does other work (a collective)
+        while etcd commits it, then asks `StartedTxn.succeeded()`. No Get in `success`."""
+        request = rpc.TxnRequest(compare=[self._compare_message(c) for c in compare],
+                                 success=[self._op_message(op) for op in success])
+        future = self._kv.Txn.future(request, timeout or self.timeout, metadata=self._metadata, wait_for_ready=True)
+        return StartedTxn(self, future, timeout)
+
     @staticmethod
     def _compare_message(c: Compare):
         message = rpc.Compare(key=c.key.encode(), result=_OPS[c.op], target=_TARGETS[c.target])
@@ -534,6 +542,22 @@ class Watch:
                 self._call.cancel()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
+
+
+class StartedTxn:
+    """A transaction in flight (`EtcdClient.start_txn`)."""
+
+    def __init__(self, client: EtcdClient, future, timeout: float | None) -> None:
+        self._client, self._future, self._timeout = client, future, timeout
+
+    def succeeded(self) -> bool:
+        """Wait for etcd's answer: whether the conditions held; EtcdError if none came."""
+        try:
+            response = self._future.result()
+        except grpc.RpcError as exc:
+            raise self._client._failed(self._client._error("transaction", exc, self._timeout)) from None
+        self._client._answered()
+        return response.succeeded
 
 
 class KeptLease:

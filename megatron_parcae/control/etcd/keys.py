@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
-from megatron_parcae.control.etcd.client import Compare, Delete, EtcdClient, Get, KeyValue, Put
+from megatron_parcae.control.etcd.client import Compare, Delete, EtcdClient, Get, KeyValue, Put, StartedTxn
 from predictor.forecast import AvailabilityForecast
 from reconfig.layout import Layout
 from reconfig.plan import MIGRATION_KINDS, MigrationPlan
@@ -658,6 +658,12 @@ class JobStore:
         record itself is on no lease (it must outlive every worker)."""
         guard = Compare(self.keys.member(worker_id), "lease", "==", lease)
         return self.client.txn([guard], [Put(self.keys.progress, record.encode())], timeout=timeout).succeeded
+
+    def start_recording_progress(self, record: ProgressRecord, worker_id: int, lease: int,
+                                 timeout: float | None = None) -> StartedTxn:
+        """`record_progress` sent now; its `succeeded()` says whether it was written."""
+        guard = Compare(self.keys.member(worker_id), "lease", "==", lease)
+        return self.client.start_txn([guard], [Put(self.keys.progress, record.encode())], timeout=timeout)
 
     def progress(self) -> ProgressRecord | None:
         kv = self.client.get(self.keys.progress)

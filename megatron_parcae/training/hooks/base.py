@@ -21,7 +21,7 @@ class LayoutHook(Protocol):
         """At an iteration boundary: apply the layout change due here, if any."""
 
     def trained(self, consumed_samples: int) -> None:
-        """A step was applied, before it is logged."""
+        """A step was applied, before it is logged; every rank calls it (it may be collective)."""
 
     def can_recover(self, error: BaseException) -> bool:
         """Whether `recover` can continue the job after `error` left a collective broken."""

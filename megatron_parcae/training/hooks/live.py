@@ -122,6 +122,7 @@ class LiveReconfiguration:
         self.shape = ModelShape.from_args(args, vocab_size)
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
+        self._agreed: tuple[int, bool] | None = None  # what trained() agreed for the coming boundary
         self.before_change = before_change  # complete what needs this WORLD (a save in flight)
         self._profile_checked: ProfileRecord | None = None
 
@@ -139,12 +140,8 @@ class LiveReconfiguration:
         if self._last_boundary is not None:
             self.agent.report_step(consumed_samples // self.samples_per_iteration, now - self._last_boundary,
                                    consumed_samples)
-        self._check_fenced()  # an etcd gone past the bound is agreed on below, to save first
-        pending = self.agent.pending_plan()
-        agreed = planes.control_tensor([pending.generation if pending is not None else self.generation,
-                                        int(self._cut_off() is not None)])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        newest, cut_off = int(agreed[0]), bool(agreed[1])
+        agreed, self._agreed = self._agreed, None
+        newest, cut_off = agreed if agreed is not None else self._agree()
         if cut_off:
             self._save_and_stop(runtime, consumed_samples)
         if newest > self.generation:
@@ -156,9 +153,23 @@ class LiveReconfiguration:
         return runtime, consumed_samples
 
     def trained(self, consumed_samples: int) -> None:
-        """A step was applied (before it is logged): rank 0 records how far the job got."""
+        """A step was applied (before it is logged): rank 0 records how far the job got,
+        and the ranks agree on what the coming boundary applies. Here the step's last
+        collective has just lined the ranks up; at the boundary they would all wait for
+        rank 0's logging, which otherwise overlaps their next step."""
         if dist.get_rank() == 0:
             self.agent.record_progress(consumed_samples // self.samples_per_iteration, consumed_samples)
+        self._agreed = self._agree()
+
+    def _agree(self) -> tuple[int, bool]:
+        """(newest plan generation any rank has, whether any rank must stop without a plan)."""
+        self._check_fenced()  # an etcd gone past the bound is agreed on below, to save first
+        pending = self.agent.pending_plan()
+        agreed = planes.control_tensor([pending.generation if pending is not None else self.generation,
+                                        int(self._cut_off() is not None)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        self.agent.progress_written()  # rank 0's record of the step, sent before the agreement
+        return int(agreed[0]), bool(agreed[1])
 
     def can_recover(self, error: BaseException) -> bool:
         """A peer died or stalled: its survivors carry on without it."""
@@ -167,6 +178,7 @@ class LiveReconfiguration:
     def recover(self, runtime: Runtime, consumed_samples: int, error: BaseException) -> tuple[Runtime | None, int]:
         """A collective of the running layout failed (a peer died or stalled): report it,
         keep this worker's state and apply the coordinator's next plan."""
+        self._agreed = None  # agreed in the broken WORLD
         self._check_membership()
         # With the plain optimizer this rank's state is local and whole at its last applied
         # step; the distributed optimizer would need its (broken) data-parallel group.
