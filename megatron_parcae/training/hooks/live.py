@@ -144,12 +144,16 @@ class LiveReconfiguration:
         newest, cut_off = agreed if agreed is not None else self._agree()
         if cut_off:
             self._save_and_stop(runtime, consumed_samples)
-        if newest > self.generation:
+        changed = newest > self.generation
+        if changed:
             self.before_change()
             runtime, consumed_samples = self._apply_until(newest, runtime, consumed_samples)
             if runtime is None:
                 return self._await_plan(None, consumed_samples)
-        self._last_boundary = time.perf_counter()
+        # As after _await_plan: the first step of a new layout warms it up (allocations, the
+        # first collectives on its groups; several steps' time) and is not a measured one,
+        # or the coordinator would learn that the layout is slow.
+        self._last_boundary = None if changed else time.perf_counter()
         return runtime, consumed_samples
 
     def trained(self, consumed_samples: int) -> None:
