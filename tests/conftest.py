@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import uuid
@@ -21,6 +22,16 @@ PROCESS_FIXTURES = frozenset({"etcd_server", "client", "own_etcd", "auth_server"
 # Modules whose tests take minutes of wall-clock time (a replayed trace): run first, so
 # that the test processes (pytest.ini's -n) finish together.
 LONGEST_FIRST = ("test_slurm_elastic.py", "test_half_precision.py", "test_replay.py", "test_reconfig_live.py")
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config) -> None:
+    """SIGTERM ends a test run as Ctrl-C does, running the fixtures' teardown: the etcd
+    servers, jobs and SLURM clusters they started are stopped, not left behind."""
+    signal.signal(signal.SIGTERM, _interrupted)
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -27,13 +27,17 @@ from slurm_cluster import GRACE_S, NODES, SlurmCluster, slurm_cluster  # noqa: F
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-ITERS = 200
+ITERS = 400
 TRAIN = [*SMALL_GPT, "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
 GLOBAL_BATCH = 8
-# The job's steps are paced (tests/paced/sitecustomize.py) so that ITERS steps outlast
-# SLURM's fixed delays on any machine: the grace time ends on a 30 s timer, a requeued
-# element is held 11 s, then its workers import torch (10-50 s on 2 busy cores).
-STEP_SECONDS = 0.4
+# The job's steps are paced (tests/paced/sitecustomize.py) until the layout grew back (at
+# most REJOIN_TIMEOUT_S), so that training outlasts SLURM's fixed delays on any machine:
+# the grace time ends on a timer, a requeued element is held 11 s, then its workers import
+# torch. On 2 cores beside the other SLURM test the rejoin took 21-34 s, and once 87 s:
+# longer than 200 steps at 0.4 s, where training had ended before it. A step takes
+# STEP_SECONDS over the layout's world size: 0.4 s on four workers, 0.8 s on two.
+STEP_SECONDS = 1.6
+REJOIN_TIMEOUT_S = 300
 PRIO_NODES = 2
 START_ITERATIONS = 5  # trained by four workers before the prio job comes
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
@@ -103,6 +107,14 @@ def plans(run_dir: Path) -> list[PlanPublished]:
     return [e for e in read_events(path) if isinstance(e, PlanPublished)] if path.exists() else []
 
 
+def grown_back(run_dir: Path, instances: int) -> bool:
+    """Whether a plan on every instance followed a smaller one that followed a whole one."""
+    published = plans(run_dir)
+    whole = [p.generation for p in published if world(p) == instances]
+    smaller = [p.generation for p in published if whole and p.generation > whole[0] and world(p) < instances]
+    return bool(smaller) and any(g > smaller[0] for g in whole)
+
+
 @dataclass
 class ElasticJob:
     name: str
@@ -126,8 +138,17 @@ class ElasticJob:
         grow = next((p for p in published if p.generation > shrink.generation and world(p) == NODES), None)
         assert grow is not None, \
             f"the layout did not grow back: {[(p.generation, p.workers, p.reason) for p in published]}\n" \
-            f"{logs(self.run_dir)}"
+            f"{self.timeline()}\n{logs(self.run_dir)}"
         return full, shrink, grow
+
+    def timeline(self) -> str:
+        """When SLURM ran the prio job and each element, and when the coordinator planned."""
+        lines = [f"prio submitted {datetime.fromtimestamp(self.prio_submitted):%H:%M:%S}, ran "
+                 f"{self.prio.get('StartTime')} to {self.prio.get('EndTime')}"]
+        lines += [f"element {task}: {r.get('JobState')}, restarts {r.get('Restarts')}, ran {r.get('StartTime')} to "
+                  f"{r.get('EndTime')}" for task, r in sorted(self.elements.items())]
+        lines += [f"plan {p.generation} at {datetime.fromtimestamp(p.time):%H:%M:%S}" for p in plans(self.run_dir)]
+        return "\n".join(lines)
 
     def change_of(self, plan: PlanPublished) -> LayoutChange:
         [change] = [c for c in self.of(LayoutChange) if c.generation == plan.generation]
@@ -135,12 +156,17 @@ class ElasticJob:
 
 
 def run_preempted(cluster: SlurmCluster, folder: Path, name: str, instances: int, pace: str, prio_nodes: int,
-                  prio_timeout: float, grace: int = GRACE_S) -> ElasticJob:
+                  prio_timeout: float, grace: int = GRACE_S, until_grown_back: bool = False) -> ElasticJob:
     """Submit a paced job of `instances` elements; once all of them train, a `prio` job of
-    `prio_nodes` nodes preempts elements; returns the job once every part of it ended."""
+    `prio_nodes` nodes preempts elements; returns the job once every part of it ended.
+    With `until_grown_back`, steps are paced only until the layout is whole again."""
+    pacing = folder / "pacing"
+    if until_grown_back:
+        pacing.touch()
     control, array, output = submit(cluster, folder, name, instances, *TRAIN, "--save-interval", str(ITERS),
                                     grace=grace, PYTHONPATH=str(REPO / "tests" / "paced"),
-                                    PARCAE_TEST_STEP_SECONDS=pace)
+                                    PARCAE_TEST_STEP_SECONDS=pace,
+                                    **({"PARCAE_TEST_PACE_WHILE": str(pacing)} if until_grown_back else {}))
     job = ElasticJob(name, folder / "run", control, array, output)
 
     def running_on_all() -> bool:
@@ -157,6 +183,13 @@ def run_preempted(cluster: SlurmCluster, folder: Path, name: str, instances: int
     prio = cluster.submit(script, "--partition=prio", f"--nodes={prio_nodes}", "--exclusive",
                           f"--output={folder}/prio.out", "--job-name=prio")
     [job.prio] = cluster.wait_state(prio, "COMPLETED", timeout=prio_timeout)
+    if until_grown_back:
+        try:
+            wait_for(lambda: grown_back(job.run_dir, instances), REJOIN_TIMEOUT_S, "the layout to grow back")
+        except AssertionError:
+            pass  # the checks say what happened, with the logs
+        finally:
+            pacing.unlink()
 
     def ended(records: list[dict[str, str]]) -> bool:
         return bool(records) and all(r.get("JobState") in ENDED for r in records)
@@ -201,7 +234,8 @@ def elastic_job(slurm_cluster, reference, tmp_path_factory):  # noqa: F811
     """The job of the module docstring, run to its end; cancelled if it does not get there."""
     folder = tmp_path_factory.mktemp("elastic")
     try:
-        yield run_preempted(slurm_cluster, folder, "elastic", NODES, str(STEP_SECONDS), PRIO_NODES, 120)
+        yield run_preempted(slurm_cluster, folder, "elastic", NODES, str(STEP_SECONDS), PRIO_NODES, 120,
+                            until_grown_back=True)
     finally:
         cancel_leftovers(slurm_cluster, "elastic")
 
@@ -319,7 +353,7 @@ def test_cancel_ends_a_running_job_and_a_second_submit_of_its_name_is_refused(sl
 # A test of its own after the others: pytest-xdist (-n 2, tests dealt in pairs) runs it
 # in the other process, beside the job above.
 WHOLE_INSTANCES = 2
-WHOLE_PACE = f"{STEP_SECONDS / 2},0"
+WHOLE_PACE = f"{STEP_SECONDS / 4},0"  # 0.2 s a step on two workers
 # spot's GraceTime while this job runs. GRACE_S is shorter than the notice, the plan and
 # the first checkpoint a process writes take on 2 busy cores (5-8 s; megatron-core imports
 # torch.distributed.checkpoint on the first save); the grace then ends 15-45 s after the notice.
