@@ -88,10 +88,10 @@ class Worker:
 
 
 @contextlib.contextmanager
-def running(store: JobStore, config: Path, name: str = "coordinator"):
+def running(store: JobStore, config: Path, name: str = "coordinator", scalars=None):
     """A Coordinator serving in a thread of this process."""
     loaded = CoordinatorConfig.load(config)
-    coordinator = Coordinator(store, loaded, loaded.optimizer(), name)
+    coordinator = Coordinator(store, loaded, loaded.optimizer(), name, scalars=scalars)
     thread = threading.Thread(target=coordinator.serve, name=name, daemon=True)
     thread.start()
     try:
@@ -184,22 +184,18 @@ def test_each_interval_charts_availability_forecast_and_liveput_at_the_jobs_iter
     store, workers, tmp_path = job
     workers += [Worker(store, w) for w in range(2)]
     board = tmp_path / "board"
-    config = CoordinatorConfig.load(write_config(tmp_path, **{"interval-seconds": 1, "tensorboard-dir": "board"}))
-    assert config.tensorboard_dir == board
+    config = write_config(tmp_path, **{"interval-seconds": 1, "tensorboard-dir": "board"})
+    assert CoordinatorConfig.load(config).tensorboard_dir == board
     scalars = TensorBoardBackend(str(board))
-    coordinator = Coordinator(store, config, config.optimizer(), "charting", scalars=scalars)
-    thread = threading.Thread(target=coordinator.serve, daemon=True)
-    thread.start()
     try:
-        first = wait_generation(store, 1)
-        for worker in workers:
-            worker.acknowledge(1)
-        writer = min(first.workers)
-        assert store.record_progress(ProgressRecord(1, 7, 56, time.time()), writer, workers[writer].lease.id)
-        time.sleep(3.5)
+        with running(store, config, "charting", scalars):
+            first = wait_generation(store, 1)
+            for worker in workers:
+                worker.acknowledge(1)
+            writer = min(first.workers)
+            assert store.record_progress(ProgressRecord(1, 7, 56, time.time()), writer, workers[writer].lease.id)
+            time.sleep(3.5)
     finally:
-        coordinator.stop()
-        thread.join(10)
         scalars.close()
     reader = EventAccumulator(str(board), size_guidance={"scalars": 0})
     reader.Reload()

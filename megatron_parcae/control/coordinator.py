@@ -567,7 +567,7 @@ class Coordinator:
             if not batching if forced else settled:
                 busy = 0.0 if settled else max(0.0, self._busy_until - time.monotonic())
                 decision = self._decide(current, view.available, self._forecast, view.leaving, busy,
-                                                  placement=view.placement)
+                                        placement=view.placement)
                 if decision.layout is None and forced and self._can_save_and_exit(current, view, members):
                     reason = (f"{self._reason(current, current, view)}; no layout for the {len(view.available)} "
                               "workers left: save a checkpoint and exit")
@@ -671,9 +671,9 @@ class Coordinator:
         """The plan after the current layout's WORLD broke (every live worker of it reported)."""
         if not view.state_kept:
             return self._decide(None, view.available, self._forecast,  # from the last checkpoint
-                                          placement=view.placement)
+                                placement=view.placement)
         decision = self._decide(current, view.available, self._forecast, view.leaving,
-                                          placement=view.placement)
+                                placement=view.placement)
         if decision.layout == current:
             return self._optimizer.rebuild(current)
         return decision

@@ -82,11 +82,8 @@ def _joined(shard: ParamShard, key: str, loaded: dict[str, torch.Tensor]) -> tor
 
 
 def _shape(args) -> dict:
-    """The values of SHAPE_FLAGS a run has; query groups count only under GQA."""
-    shape = {flag: getattr(args, flag, default) for flag, default in SHAPE_FLAGS.items()}
-    if not getattr(args, "group_query_attention", False):
-        shape["num_query_groups"] = None
-    return shape
+    """The values of SHAPE_FLAGS a run has (query groups are None without GQA: arguments.py)."""
+    return {flag: getattr(args, flag, default) for flag, default in SHAPE_FLAGS.items()}
 
 
 def _is_tied_copy(shard: ParamShard) -> bool:

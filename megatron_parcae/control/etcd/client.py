@@ -364,22 +364,21 @@ class EtcdClient:
     def txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp] = (),
             timeout: float | None = None) -> TxnResult:
         """Atomically: if every condition holds run `success`, else `failure`."""
-        request = rpc.TxnRequest(
-            compare=[self._compare_message(c) for c in compare],
-            success=[self._op_message(op) for op in success],
-            failure=[self._op_message(op) for op in failure],
-        )
-        response = self._call("transaction", self._kv.Txn, request, timeout)
+        response = self._call("transaction", self._kv.Txn, self._txn_request(compare, success, failure), timeout)
         reads = [[_to_kv(kv) for kv in r.response_range.kvs] for r in response.responses if r.WhichOneof("response") == "response_range"]
         return TxnResult(response.succeeded, reads)
 
     def start_txn(self, compare: Sequence[Compare], success: Sequence[TxnOp], timeout: float | None = None) -> StartedTxn:
         """`txn` sent now and answered later: the caller does other work (a collective)
         while etcd commits it, then asks `StartedTxn.succeeded()`. No Get in `success`."""
-        request = rpc.TxnRequest(compare=[self._compare_message(c) for c in compare],
-                                 success=[self._op_message(op) for op in success])
-        future = self._kv.Txn.future(request, timeout or self.timeout, metadata=self._metadata, wait_for_ready=True)
+        future = self._kv.Txn.future(self._txn_request(compare, success, ()), timeout or self.timeout,
+                                     metadata=self._metadata, wait_for_ready=True)
         return StartedTxn(self, future, timeout)
+
+    def _txn_request(self, compare: Sequence[Compare], success: Sequence[TxnOp], failure: Sequence[TxnOp]):
+        return rpc.TxnRequest(compare=[self._compare_message(c) for c in compare],
+                              success=[self._op_message(op) for op in success],
+                              failure=[self._op_message(op) for op in failure])
 
     @staticmethod
     def _compare_message(c: Compare):

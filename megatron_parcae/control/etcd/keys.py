@@ -656,14 +656,16 @@ class JobStore:
     def record_progress(self, record: ProgressRecord, worker_id: int, lease: int, timeout: float | None = None) -> bool:
         """Write how far training got, if `worker_id` is still a member on `lease`; the
         record itself is on no lease (it must outlive every worker)."""
-        guard = Compare(self.keys.member(worker_id), "lease", "==", lease)
-        return self.client.txn([guard], [Put(self.keys.progress, record.encode())], timeout=timeout).succeeded
+        return self.client.txn(*self._progress_txn(record, worker_id, lease), timeout=timeout).succeeded
 
     def start_recording_progress(self, record: ProgressRecord, worker_id: int, lease: int,
                                  timeout: float | None = None) -> StartedTxn:
         """`record_progress` sent now; its `succeeded()` says whether it was written."""
-        guard = Compare(self.keys.member(worker_id), "lease", "==", lease)
-        return self.client.start_txn([guard], [Put(self.keys.progress, record.encode())], timeout=timeout)
+        return self.client.start_txn(*self._progress_txn(record, worker_id, lease), timeout=timeout)
+
+    def _progress_txn(self, record: ProgressRecord, worker_id: int, lease: int) -> tuple[list[Compare], list[Put]]:
+        """(guard, write) of a progress record: written only while `worker_id` is a member on `lease`."""
+        return [Compare(self.keys.member(worker_id), "lease", "==", lease)], [Put(self.keys.progress, record.encode())]
 
     def progress(self) -> ProgressRecord | None:
         kv = self.client.get(self.keys.progress)
