@@ -235,9 +235,18 @@ def fake_srun(bin_dir: Path, body: str) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port P with P + 1 free too: the scripts' etcd listens on both (client, peer)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                with socket.socket() as peer:
+                    peer.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two free ports in a row")
 
 
 def test_batch_script_serves_etcd_and_coordinator_then_stops_them(tmp_path):
