@@ -190,7 +190,11 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="a save folder (its newest checkpoint) or one checkpoint folder, e.g. one a plain "
+                        "megatron-core model wrote with dist_checkpointing.save(model.sharded_state_dict(), DIR)")
+    g.add_argument("--finetune", action="store_true",
+                   help="load only the model's weights from --load: Adam starts afresh at iteration 0")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints from a forked process while training goes on; a checkpoint becomes "
@@ -360,6 +364,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check(not args.async_save or args.save is not None, "--async-save needs --save")
     if args.load is not None:
         _check(Path(args.load).is_dir(), f"--load: no checkpoint directory {args.load}")
+    _check(not args.finetune or args.load is not None, "--finetune needs --load")
     if args.parcae_events is not None:
         folder = Path(args.parcae_events).parent
         _check(folder.is_dir(), f"--parcae-events: no directory {folder}")

@@ -1,16 +1,24 @@
-"""Checkpoints with megatron.core.dist_checkpointing, loadable under any layout.
+"""Checkpoints in megatron-core's own sharded layout, loadable under any layout.
 
-Each rank saves its tensor-parallel shard of every parameter's fp32 main weight and Adam
-moments as a ShardedTensor keyed by the parameter's global name
-(`exp_avg/decoder.layers.7.mlp.linear_fc1.weight`), so dist_checkpointing can reshard it
-for any (T, P, D) on load. Progress (iteration, consumed samples, Adam's step, the
-learning-rate schedule) goes to a JSON file beside it; no pickle is read back.
+Each rank saves its parameters under the keys, tensor-parallel shardings, stacked-layer
+offsets and replica ids that megatron-core's `GPTModel/BertModel.sharded_state_dict()`
+gives them, as Megatron-LM writes them, and Adam's state under the keys megatron-core's
+optimizer gives it: `optimizer.state.exp_avg.<key>`, `optimizer.state.exp_avg_sq.<key>`
+and, for a half-precision model, its fp32 main weights as `optimizer.state.fp32_param.<key>`.
+So dist_checkpointing reshards a checkpoint for any (T, P, D), a plain megatron-core model
+loads it through its own `sharded_state_dict()`, and a checkpoint such a model wrote loads
+here (with --finetune: weights only). megatron-core's optimizer `sharded_state_dict` is
+not called (reconfig/optimizer_state.py says why): the state is read from the optimizer
+as migrations read it. Progress (iteration, consumed samples, Adam's step, the
+learning-rate schedule) goes to a JSON file beside it. The layers' `_extra_state` objects
+(pickled by megatron-core) are written for a plain model's sake and never read here.
 Layout: `<save>/iter_0000010/` plus `<save>/latest_checkpointed_iteration.txt`, as in
 Megatron-LM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -20,8 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from megatron_parcae import events
@@ -38,11 +47,17 @@ from reconfig.optimizer_state import (
     step_count,
 )
 from megatron_parcae.training.progress import Progress
-from reconfig.tensors import WORD_EMBEDDING, ParamShard, param_shards, unwrap
+from reconfig.tensors import ParamShard, param_shards, unwrap
 from reconfig.world import patient
 
 TRACKER = "latest_checkpointed_iteration.txt"
 PROGRESS = "parcae_progress.json"
+METADATA = "metadata.json"  # what dist_checkpointing writes in every checkpoint folder
+# Where megatron-core's optimizer keeps each of STATE_KEYS (`param`: the fp32 main weight,
+# under the model's own key when the model is in fp32).
+OPTIMIZER_KEYS = {"param": "optimizer.state.fp32_param", "exp_avg": "optimizer.state.exp_avg",
+                  "exp_avg_sq": "optimizer.state.exp_avg_sq"}
+MOMENTS = STATE_KEYS[1:]
 # Flags that change the model's parameters: a checkpoint only loads into the same values.
 # Each with the value a checkpoint that does not record it was written with.
 SHAPE_FLAGS = {"model": None, "num_layers": None, "hidden_size": None, "ffn_hidden_size": None,
@@ -50,44 +65,61 @@ SHAPE_FLAGS = {"model": None, "num_layers": None, "hidden_size": None, "ffn_hidd
                "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
                "untie_embeddings_and_output_weights": False, "swiglu": False, "num_query_groups": None}
 
+Entry = ShardedTensor | ShardedTensorFactory  # megatron-core's mapping of one parameter
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, unreadable or of another model."""
 
 
-def _sharded(shard: ParamShard, key: str, tensor: torch.Tensor, tied_copy: bool) -> list[ShardedTensor]:
-    """The checkpoint's tensors of one shard. A strided split (SwiGLU's fc1 holds its
-    [gate; up] slices) is written as one tensor per stride part, `.../part<i>`, each cut
-    over TP plainly, so that any T reads it."""
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    split = shard.partition_dim is not None
-    # One main replica per element: DP replicas, TP copies of unsplit tensors and the
-    # last stage's tied embedding copy are not written.
-    replica = (int(tied_copy), 0 if split else tp_rank, ps.get_data_parallel_rank())
-    offsets = [(shard.partition_dim, tp_rank, tp_size)] if split else []
-    name = f"{key}/{shard.global_name}"
-    if shard.partition_stride == 1:
-        return [ShardedTensor.from_rank_offsets(name, tensor, *offsets, replica_id=replica)]
-    parts = tensor.chunk(shard.partition_stride, dim=shard.partition_dim)
-    return [ShardedTensor.from_rank_offsets(f"{name}/part{i}", part.contiguous(), *offsets, replica_id=replica)
-            for i, part in enumerate(parts)]
+@dataclasses.dataclass(frozen=True)
+class _Mapped:
+    """One local parameter and megatron-core's sharded entry for it."""
+
+    shard: ParamShard
+    entry: Entry
+    name: str  # unique on this rank: the chunk and the parameter's local name
+
+    def key(self, prefix: str | None) -> str:
+        return self.entry.key if prefix is None else f"{prefix}.{self.entry.key}"
+
+    def holding(self, prefix: str | None, tensor: torch.Tensor) -> Entry:
+        """The entry with `tensor` (shaped like the local shard) as its data, under the
+        model's key (`prefix` None) or the optimizer's `<prefix>.<key>`."""
+        if prefix is None:
+            return _with_data(self.entry, tensor)
+        return make_sharded_optimizer_tensor(self.entry, tensor, prefix)
 
 
-def _joined(shard: ParamShard, key: str, loaded: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One shard's tensor from what `_sharded` wrote of it."""
-    name = f"{key}/{shard.global_name}"
-    if shard.partition_stride == 1:
-        return loaded[name]
-    return torch.cat([loaded[f"{name}/part{i}"] for i in range(shard.partition_stride)], dim=shard.partition_dim)
+def _with_data(entry: Entry, tensor: torch.Tensor) -> Entry:
+    if isinstance(entry, ShardedTensorFactory):
+        return dataclasses.replace(entry, data=tensor)
+    return dataclasses.replace(entry, data=tensor, dtype=tensor.dtype)
+
+
+def _mapped(model_chunks) -> tuple[list[_Mapped], list[ShardedObject]]:
+    """megatron-core's sharded entries of every local parameter, and its other objects
+    (the layers' `_extra_state`, saved so that a plain model finds every key it asks for)."""
+    found, objects = [], []
+    for i, chunk in enumerate(model_chunks):
+        module = unwrap(chunk)
+        params = dict(module.named_parameters())
+        shards = {s.param: s for s in param_shards(module)}
+        entries = module.sharded_state_dict()
+        for name, entry in entries.items():
+            if name in params:
+                found.append(_Mapped(shards[params[name]], entry, f"{i}/{name}"))
+            elif isinstance(entry, ShardedObject):
+                objects.append(entry)
+        unmapped = params.keys() - entries.keys()
+        if unmapped:
+            raise CheckpointError(f"megatron-core maps no checkpoint key to {sorted(unmapped)[:3]}")
+    return found, objects
 
 
 def _shape(args) -> dict:
     """The values of SHAPE_FLAGS a run has (query groups are None without GQA: arguments.py)."""
     return {flag: getattr(args, flag, default) for flag, default in SHAPE_FLAGS.items()}
-
-
-def _is_tied_copy(shard: ParamShard) -> bool:
-    return shard.global_name == WORD_EMBEDDING and not ps.is_pipeline_first_stage()
 
 
 def _progress_path(directory: Path) -> Path:
@@ -141,13 +173,15 @@ class Checkpointer:
 
     def _save(self, runtime, progress) -> None:
         _drop_stale_write_results()
-        states = export_param_states(runtime.model, runtime.optimizer)
-        sharded = {}
-        for st in states:
-            tied = _is_tied_copy(st.shard)
-            for key in STATE_KEYS:
-                for item in _sharded(st.shard, key, st.tensors[key], tied):
-                    sharded[item.key] = item
+        states = {s.shard.param: s.tensors for s in export_param_states(runtime.model, runtime.optimizer)}
+        mapped, objects = _mapped(runtime.model)
+        sharded: dict = {f"object/{i}": entry for i, entry in enumerate(objects)}
+        for m in mapped:
+            tensors = states[m.shard.param]
+            sharded[f"model/{m.name}"] = m.holding(None, tensors["param"].to(m.shard.param.dtype))
+            half = m.shard.param.dtype != torch.float32  # else the model's weights are the main ones
+            for state in STATE_KEYS if half else MOMENTS:
+                sharded[f"{state}/{m.name}"] = m.holding(OPTIMIZER_KEYS[state], tensors[state])
         directory = Path(self.root) / f"iter_{progress.iteration:07d}"
         if dist.get_rank() == 0:
             directory.mkdir(parents=True, exist_ok=True)
@@ -213,15 +247,38 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_progress(root: str) -> tuple[Path, dict]:
-    """The newest checkpoint's directory and its validated progress record."""
-    tracker = Path(root) / TRACKER
+def is_checkpoint(root: str | Path) -> bool:
+    """Whether `--load root` names a checkpoint (see `locate`)."""
+    return (Path(root) / TRACKER).is_file() or (Path(root) / METADATA).is_file()
+
+
+def locate(root: str | Path) -> tuple[Path, dict | None]:
+    """The checkpoint `--load root` names, and its validated progress record.
+
+    `root` is a save folder (the newest checkpoint its tracker names, as Megatron-LM
+    reads it) or one checkpoint folder, as a plain megatron-core program writes it. The
+    record is None where the checkpoint has none (not written by this project): such a
+    checkpoint loads only with --finetune.
+    """
+    root = Path(root)
+    if (root / TRACKER).is_file():
+        try:
+            directory = root / f"iter_{int((root / TRACKER).read_text().strip()):07d}"
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"--load {root}: unreadable {TRACKER} ({exc})") from None
+    elif (root / METADATA).is_file():
+        directory = root
+    else:
+        raise CheckpointError(f"--load {root}: no checkpoint (no {TRACKER}, and not a checkpoint folder with "
+                              f"{METADATA})")
+    if not (directory / METADATA).is_file():
+        raise CheckpointError(f"--load {root}: {directory} is not a complete checkpoint (no {METADATA})")
+    if not _progress_path(directory).exists():
+        return directory, None
     try:
-        iteration = int(tracker.read_text().strip())
-        directory = Path(root) / f"iter_{iteration:07d}"
         meta = json.loads(_progress_path(directory).read_text())
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"--load {root}: no readable checkpoint ({exc})") from None
+        raise CheckpointError(f"--load {root}: unreadable {PROGRESS} ({exc})") from None
     expected = {"iteration": int, "consumed_samples": int, "optimizer_step": int, "scheduler_num_steps": int,
                 "model": dict}
     for key, kind in expected.items():
@@ -235,6 +292,19 @@ def read_progress(root: str) -> tuple[Path, dict]:
     return directory, meta
 
 
+def read_progress(root: str | Path) -> tuple[Path, dict]:
+    """The newest checkpoint's directory and its validated progress record."""
+    directory, meta = locate(root)
+    if meta is None:
+        raise CheckpointError(_no_progress(root, directory))
+    return directory, meta
+
+
+def _no_progress(root: str | Path, directory: Path) -> str:
+    return (f"--load {root}: {directory} has no {PROGRESS} (not written by megatron-parcae): load its weights "
+            "with --finetune")
+
+
 def check_same_model(root: str, saved: dict, args) -> None:
     """Refuse a checkpoint whose recorded SHAPE_FLAGS differ from `args`'."""
     wanted, saved = _shape(args), {**SHAPE_FLAGS, **saved}
@@ -243,20 +313,55 @@ def check_same_model(root: str, saved: dict, args) -> None:
         raise CheckpointError(f"--load {root}: checkpoint is of another model ({diff})")
 
 
-def load(root: str, runtime):
-    """Load the newest checkpoint under `root` into a freshly built runtime; returns Progress."""
-    directory, meta = read_progress(root)
-    check_same_model(root, meta["model"], runtime.args)
+def _stored(root: str | Path, directory: Path, m: _Mapped, prefix: str | None, stored: dict) -> None:
+    """Refuse a tensor the checkpoint lacks or holds in another shape (a checkpoint with
+    no record of its model is checked only here)."""
+    key = m.key(prefix)
+    if key not in stored:
+        hint = " (a checkpoint of weights only? load it with --finetune)" if prefix in OPTIMIZER_KEYS.values() else ""
+        raise CheckpointError(f"--load {root}: {directory} has no tensor {key}{hint}")
+    if isinstance(m.entry, ShardedTensor) and tuple(stored[key].global_shape) != tuple(m.entry.global_shape):
+        raise CheckpointError(f"--load {root}: checkpoint is of another model ({key} is "
+                              f"{tuple(stored[key].global_shape)} there, {tuple(m.entry.global_shape)} here)")
+
+
+def load(root: str, runtime, finetune: bool = False) -> Progress:
+    """Load the checkpoint `root` names (`locate`) into a freshly built runtime; returns
+    Progress. With `finetune` only the weights: Adam starts afresh at iteration 0."""
+    directory, meta = locate(root)
+    if meta is None and not finetune:
+        raise CheckpointError(_no_progress(root, directory))
+    if meta is not None:
+        check_same_model(root, meta["model"], runtime.args)
     initialize_optimizer_states(runtime.optimizer)
-    shards = [s for chunk in runtime.model for s in param_shards(unwrap(chunk))]
+    mapped, _ = _mapped(runtime.model)
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(directory))
+    except (CheckpointingException, OSError, ValueError) as exc:
+        raise CheckpointError(f"--load {root}: unreadable checkpoint metadata ({exc})") from None
     template = {}
-    for shard in shards:
-        for key in STATE_KEYS:
-            empty = torch.empty(shard.param.shape, dtype=torch.float32)  # host: written into the optimizer next
-            for item in _sharded(shard, key, empty, _is_tied_copy(shard)):
-                template[item.key] = item
-    loaded = dist_checkpointing.load(template, str(directory))
-    states = {s.global_name: {key: _joined(s, key, loaded) for key in STATE_KEYS} for s in shards}
+    for m in mapped:
+        main = OPTIMIZER_KEYS["param"]  # fp32 main weights where the checkpoint has them
+        prefixes = {"param": main if m.key(main) in stored else None}
+        if not finetune:
+            prefixes.update({state: OPTIMIZER_KEYS[state] for state in MOMENTS})
+        for state, prefix in prefixes.items():
+            _stored(root, directory, m, prefix, stored)
+            empty = torch.empty(m.shard.param.shape, dtype=torch.float32)  # host: written into the optimizer next
+            template[f"{state}/{m.name}"] = m.holding(prefix, empty)
+    try:
+        loaded = dist_checkpointing.load(template, str(directory))
+    except CheckpointingException as exc:
+        raise CheckpointError(f"--load {root}: {exc}") from None
+    states = {}
+    for m in mapped:
+        weight = loaded[f"param/{m.name}"]
+        states[m.shard.global_name] = {
+            "param": weight,
+            **{state: torch.zeros_like(weight) if finetune else loaded[f"{state}/{m.name}"] for state in MOMENTS}}
+    if finetune:
+        import_param_states(runtime.model, runtime.optimizer, states, 0)
+        return Progress(iteration=0, consumed_samples=0)
     import_param_states(runtime.model, runtime.optimizer, states, meta["optimizer_step"])
     load_loss_scale_state(runtime.optimizer, meta.get("loss_scale"))
     runtime.scheduler.num_steps = meta["scheduler_num_steps"]
@@ -264,12 +369,12 @@ def load(root: str, runtime):
     return Progress(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"])
 
 
-def resume(root: str | None, runtime) -> int:
-    """The consumed samples of a run that starts on `runtime`: those of the newest
-    checkpoint under `root` (--load), loaded into it, or 0 without one."""
+def resume(root: str | None, runtime, finetune: bool = False) -> int:
+    """The consumed samples of a run that starts on `runtime`: those of the checkpoint
+    `root` names (--load), loaded into it, or 0 without one (and with `finetune`)."""
     if not root:
         return 0
-    progress = load(root, runtime)
+    progress = load(root, runtime, finetune)
     if dist.get_rank() == 0:
         events.report(events.Load(progress.iteration, root))
     return progress.consumed_samples

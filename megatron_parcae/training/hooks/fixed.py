@@ -20,7 +20,7 @@ class FixedLayout(TorchrunHook):
 
     def start(self) -> tuple[Runtime | None, int]:
         runtime = self.build()
-        return runtime, checkpointing.resume(self.args.load, runtime)
+        return runtime, checkpointing.resume(self.args.load, runtime, self.args.finetune)
 
     def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
         return runtime, consumed_samples

@@ -461,9 +461,11 @@ class LiveReconfiguration:
         known = planes.control_tensor([max(consumed_samples, recorded.consumed_samples if recorded else 0)])
         dist.all_reduce(known, op=dist.ReduceOp.MAX)
         source = next((d for d in (self.args.save, self.args.load)
-                       if d is not None and (Path(d) / checkpointing.TRACKER).is_file()), None)
+                       if d is not None and checkpointing.is_checkpoint(d)), None)
+        # --finetune takes the weights of --load until this job has saved its own.
+        finetune = self.args.finetune and source == self.args.load and source != self.args.save
         with built_layout(self.build, layout.parallelism, self.world, generation) as runtime:
-            consumed_samples = 0 if source is None else checkpointing.load(source, runtime).consumed_samples
+            consumed_samples = 0 if source is None else checkpointing.load(source, runtime, finetune).consumed_samples
         if dist.get_rank() == 0:
             gbs = self.samples_per_iteration
             self.agent.record_progress(consumed_samples // gbs, consumed_samples, generation)  # training goes back here

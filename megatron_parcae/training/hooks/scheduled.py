@@ -46,7 +46,7 @@ class ScheduledReconfiguration(TorchrunHook):
             self.world.reform(active, "g0")
         if self.world.worker in active:
             runtime = self.build(self.initial)
-            return runtime, checkpointing.resume(self.args.load, runtime)
+            return runtime, checkpointing.resume(self.args.load, runtime, self.args.finetune)
         return self._join_after(0)
 
     def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
