@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from helpers import LEASE_S, envelope, new_job, python_child, wait_for
+from helpers import LEASE_S, SHAPE, envelope, new_job, python_child, wait_for
 
 from megatron_parcae.control.agent import AgentError, ParcaeAgent
 from megatron_parcae.control.etcd import JobStore
@@ -38,6 +38,16 @@ def test_agent_registers_and_deregisters_on_stop(job_agent):
     assert store.members() == {}
     assert signal.getsignal(signal.SIGTERM) != agent._on_sigterm
     assert not agent.fenced
+
+
+def test_the_member_record_says_which_model_the_worker_trains(client):
+    store = JobStore(client, new_job())
+    agent = ParcaeAgent(client, store.keys.job, worker_id=4, grace_seconds=GRACE_S, lease_seconds=LEASE_S, model=SHAPE)
+    agent.start()
+    try:
+        assert store.members()[4].shape() == SHAPE
+    finally:
+        agent.stop()
 
 
 def test_plans_are_delivered_in_order_and_acknowledged(job_agent):

@@ -32,6 +32,7 @@ from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, TRAIN, CoordinatorS
 from megatron_parcae.control.etcd.keys import StepReport
 from megatron_parcae.control.status import collect, render
 from megatron_parcae.events import EventWriter, ThroughputLearned, read_events
+from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
 from reconfig.layout import Layout
 from reconfig.plan import MigrationPlan
 
@@ -60,11 +61,11 @@ class Worker:
     """A member record on its own lease, standing in for a training process."""
 
     def __init__(self, store: JobStore, worker_id: int, pid: int | None = None, instance: str | None = None,
-                 can_save: bool = False) -> None:
+                 can_save: bool = False, model: dict | None = None) -> None:
         self.store, self.worker_id = store, worker_id
         self.lease = KeptLease(store.client, LEASE_S)
         self.record = MemberRecord(worker_id, instance or f"node-{worker_id}", pid or 1000 + worker_id, time.time(), 0,
-                                   can_save=can_save)
+                                   can_save=can_save, model=model)
         assert store.register_member(self.record, self.lease.id) is not None
 
     def acknowledge(self, generation: int) -> None:
@@ -289,6 +290,77 @@ def test_instances_of_two_gpus_go_and_come_whole(job):
         assert not third.workers & {gone, gone ^ 1}
         assert f"lost workers {sorted([gone, gone ^ 1])}" in decision(store, 3)["reason"]
         wait_for(lambda: gone ^ 1 not in store.members(), WAIT_S, "the sibling fenced with its instance")
+
+
+GQA = {**SHAPE, "num_query_groups": 1}  # SHAPE under --group-query-attention --num-query-groups 1
+
+
+def write_tables(folder: Path) -> None:
+    """Cost constants that know SHAPE as "tiny", and throughput tables of it: tiny.csv
+    runs best at T=2, tp2.csv has only T=2."""
+    constants = json.loads(DEFAULT_CONSTANTS.read_text())
+    (folder / "constants.json").write_text(json.dumps({**constants, "models": {"tiny": SHAPE}}))
+    header = "# model=tiny global_batch_size=8\ndata_parallel,pipeline_stages,iteration_ms,samples_per_s,tensor_parallel\n"
+    (folder / "tiny.csv").write_text(header + "1,1,1000,8,1\n2,1,800,10,1\n1,1,200,40,2\n")
+    (folder / "tp2.csv").write_text(header + "1,1,200,40,2\n")
+
+
+def table_config(folder: Path, profile: str, workers: int, **overrides) -> Path:
+    """A coordinator on a table of `write_tables`, for one instance of `workers` GPUs."""
+    return write_config(folder, profile=profile, model="tiny", **{
+        "cost-constants": "constants.json", "min-workers": workers, "gpus-per-instance": workers, **overrides})
+
+
+def test_a_table_is_planned_only_in_layouts_the_workers_model_can_be_built_in(job, caplog):
+    """A CSV table takes its shape from the cost constants, which know nothing of
+    --num-query-groups: the members' records say which model they train."""
+    store, workers, tmp_path = job
+    write_tables(tmp_path)
+
+    @contextlib.contextmanager
+    def members(profile: str, *models: dict | None):
+        """A new job of workers training `models` (None: an older worker's record), led
+        by a coordinator on `profile`."""
+        job = JobStore(store.client, new_job())
+        workers.extend(Worker(job, w, instance="node", model=m) for w, m in enumerate(models))
+        with running(job, table_config(tmp_path, profile, len(models))):
+            yield job
+
+    def first_tp(profile: str, *models: dict | None) -> int:
+        with members(profile, *models) as job:
+            return wait_generation(job, 1).tp
+
+    assert first_tp("tiny.csv", SHAPE, SHAPE) == first_tp("tiny.csv", None, None) == 2
+    assert first_tp("tiny.csv", GQA, GQA) == first_tp("tiny.csv", GQA, None) == 1
+    assert first_tp("tiny.csv", SHAPE, GQA) == 1
+    assert "workers train different models: workers [0] num_query_groups=None; workers [1] num_query_groups=1" \
+        in caplog.text
+    why = ("profile of tiny: no layout of it can train the workers' model: --num-query-groups 1 is not divisible "
+           "by tensor-parallel size 2; waiting for workers of a model it can train")
+    with members("tp2.csv", GQA, GQA) as job:
+        wait_for(lambda: why in caplog.text, WAIT_S, "the coordinator to say why it cannot plan")
+        time.sleep(1.0)
+        assert job.current_generation() == 0
+    assert caplog.text.count(why) == 1
+
+
+def test_a_table_corrected_by_step_reports_still_keeps_to_the_workers_model(job):
+    """Steps ten times slower than the table says make the T=2 layout the table rates
+    highest look better still; the workers' model cannot be built in it."""
+    store, workers, tmp_path = job
+    write_tables(tmp_path)
+    workers += [Worker(store, w, instance="node", model=GQA) for w in range(2)]
+    with running(store, table_config(tmp_path, "tiny.csv", 2, **{"interval-seconds": 1, "lookahead": 30})):
+        first = wait_generation(store, 1)
+        assert (first.tp, first.dp) == (1, 2)
+        for worker in workers:
+            worker.acknowledge(1)
+        for iteration in range(10, 14):
+            for worker in workers:
+                report = StepReport(worker.worker_id, 1, iteration, 8.0, 5, 8 * iteration, time.time())
+                assert store.report_step(report, worker.lease.id)
+            time.sleep(1.2)  # one interval boundary learns from each report
+        assert store.current_generation() == 1
 
 
 def test_lost_worker_and_restarted_process_are_dropped(job):

@@ -41,7 +41,7 @@ from megatron_parcae.control.etcd.keys import (
     ProgressRecord,
     StepReport,
 )
-from helpers import LEASE_S, envelope, first_layout, new_job, python_child, wait_for
+from helpers import LEASE_S, SHAPE, envelope, first_layout, new_job, python_child, wait_for
 
 # -- schema through a real server -------------------------------------------------------
 
@@ -141,6 +141,28 @@ def test_save_and_exit_plans_are_checked_and_older_records_still_load(client):
     member = MemberRecord(7, "node-a", 4242, 1.0, 0).to_dict()
     client.put(store.keys.member(7), json.dumps({k: v for k, v in member.items() if k != "can_save"}).encode())
     assert store.members()[7].can_save is False
+
+
+def test_a_member_records_model_is_checked_and_older_records_have_none(client):
+    store = JobStore(client, new_job())
+    member = MemberRecord(7, "node-a", 4242, 1.0, 0, model=SHAPE.to_dict())
+    for model, why in [
+        ({**SHAPE.to_dict(), "num_query_groups": 3}, "num_query_groups: 3 does not divide num_attention_heads 4"),
+        ({**SHAPE.to_dict(), "num_query_groups": "2"}, "num_query_groups: expected an integer"),
+        ({"kind": "gpt"}, "missing field"),
+        ([1], "model: expected dict, got list"),
+    ]:
+        client.put(store.keys.member(7), json.dumps({**member.to_dict(), "model": model}).encode())
+        with pytest.raises(SchemaError, match=why) as info:
+            store.members()
+        assert store.keys.member(7) in str(info.value)
+        with pytest.raises(SchemaError, match="refused new MemberRecord"):
+            MemberRecord(**{**member.to_dict(), "model": model}).encode()
+    client.put(store.keys.member(7), member.encode())
+    assert store.members()[7].shape() == SHAPE
+    # A worker from before `model` existed says nothing of its model.
+    client.put(store.keys.member(7), json.dumps({k: v for k, v in member.to_dict().items() if k != "model"}).encode())
+    assert store.members()[7].model is None and store.members()[7].shape() is None
 
 
 JSON = st.recursive(

@@ -34,7 +34,7 @@ from megatron_parcae.liveput.scenarios import (
     victims_distribution,
     wipe_probability,
 )
-from megatron_parcae.liveput.throughput import OnInstances, PipelineModel, ProfileError, ProfileTable
+from megatron_parcae.liveput.throughput import ForModels, OnInstances, PipelineModel, ProfileError, ProfileTable
 from predictor.forecast import AvailabilityForecast
 from reconfig.layout import Layout, ModelShape, Parallelism, balanced_partition
 from reconfig.plan import MigrationRequest, plan_migration
@@ -113,6 +113,22 @@ def test_pipeline_model_excludes_infeasible_layouts():
     small = PipelineModel(tiny_layer_profile(gpu_memory_bytes=3.5e6), max_workers=16)
     assert small.layouts() and all(p.tp * p.pp >= 2 for p in small.layouts())
     assert small.samples_per_second(Parallelism(1, 1, 1, (4,))) == 0.0
+
+
+def test_a_table_keeps_the_layouts_the_workers_models_can_be_built_in():
+    table = ProfileTable({(1, 1, 2): 1.0, (2, 1, 1): 2.0, (4, 1, 1): 3.0}, "tiny", 8, TINY)
+    two_groups = dataclasses.replace(TINY, num_query_groups=2)
+    assert ForModels(table, ()).layouts() == ForModels(table, [TINY]).layouts() == table.layouts()
+    kept = ForModels(table, [TINY, two_groups])
+    assert [(p.tp, p.dp) for p in kept.layouts()] == [(1, 2), (2, 1)]
+    assert kept.samples_per_second(Parallelism(2, 1, 1, (4,))) == 2.0
+    assert kept.samples_per_second(Parallelism(4, 1, 1, (4,))) == 0.0 and kept.best(4).tp == 2
+    deeper = dataclasses.replace(TINY, num_layers=6, num_query_groups=1)
+    with pytest.raises(ProfileError, match=re.escape(
+            "profile of tiny: no layout of it can train the workers' model: layers per stage: sums to 4, the model "
+            "has 6 layers; --num-query-groups 1 is not divisible by tensor-parallel size 2; --num-query-groups 1 is "
+            "not divisible by tensor-parallel size 4")):
+        ForModels(table, [deeper])
 
 
 def test_pipeline_model_rejects_bad_profile(tmp_path):

@@ -48,6 +48,7 @@ from megatron_parcae.control.etcd.keys import (
     StepReport,
 )
 from megatron_parcae.control.notices import NoticeWatcher
+from reconfig.layout import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,8 @@ class _PlanFeed:
 
 class ParcaeAgent:
     """Membership, preemption notices, plan delivery and step reports of one process.
-    `can_save` goes into its member record: the process writes checkpoints (--save)."""
+    `can_save` and `model` go into its member record: the process writes checkpoints
+    (--save), and trains that model, so the coordinator plans only layouts it fits."""
 
     def __init__(
         self,
@@ -185,6 +187,7 @@ class ParcaeAgent:
         local_rank: int = 0,
         notices: NoticeWatcher | None = None,
         can_save: bool = False,
+        model: ModelShape | None = None,
     ) -> None:
         if not grace_seconds >= 0 or not lease_seconds > 0:
             raise ValueError(f"grace_seconds must be >= 0 and lease_seconds > 0, got {grace_seconds}, {lease_seconds}")
@@ -194,7 +197,8 @@ class ParcaeAgent:
         self.grace_seconds = grace_seconds
         self.lease_seconds = lease_seconds
         self._member = MemberRecord(worker_id, instance or default_instance(), os.getpid(), time.time(), 0,
-                                    local_rank=local_rank, can_save=can_save)
+                                    local_rank=local_rank, can_save=can_save,
+                                    model=None if model is None else model.to_dict())
         self._member.encode()  # refuse a bad worker id or instance name now, not on a thread
         self._lock = threading.Lock()
         self._wake = _Doorbell()

@@ -38,6 +38,9 @@ Rules it keeps:
   gone, a plan on the workers then available (at least min-workers, as for the first)
   resumes from that checkpoint.
 - Workers a layout does not use are standby (a plan's `standby`); they join later.
+- Only layouts the workers' model can be built in are planned: each member record says
+  which model its worker trains, and a throughput table (unlike a layer profile) does
+  not. While no layout of the profile can train it, the coordinator warns and waits.
 - When training ends (the `done` record a worker writes), the coordinator exits.
 """
 
@@ -87,10 +90,10 @@ from megatron_parcae.control.etcd.keys import (
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
 from megatron_parcae.liveput.learned import ThroughputLearner
-from megatron_parcae.liveput.throughput import ThroughputModel
+from megatron_parcae.liveput.throughput import ForModels, ProfileError, ThroughputModel
 from megatron_parcae.scalars import ScalarBackend
 from predictor.forecast import FORECASTERS, AvailabilityForecast, Forecaster, make_forecaster
-from reconfig.layout import Layout
+from reconfig.layout import Layout, ModelShape
 from reconfig.plan import MigrationPlan
 from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement
 
@@ -186,7 +189,8 @@ class CoordinatorConfig:
 
     def optimizer(self, throughput: ThroughputModel | None = None) -> LiveputOptimizer:
         """The liveput optimizer of this job, built as `parcae simulate` builds it
-        (liveput/factory.py), on the profile or on `throughput` learned from it."""
+        (liveput/factory.py), on the profile or on `throughput` made of it (learned from
+        step reports, kept to the workers' models)."""
         constants = CostConstants.load(self.cost_constants)
         constants = dataclasses.replace(
             constants,
@@ -255,6 +259,9 @@ class Coordinator:
         self._config = config
         self._optimizer = optimizer
         self._learner = ThroughputLearner(optimizer.throughput)
+        self._throughput = optimizer.throughput  # the profile, or what was learned of it
+        self._models: frozenset[ModelShape] = frozenset()  # the members' models it plans for
+        self._unbuildable = ""  # why no layout can train them, while none can
         self._reported: dict[int, tuple[int, int]] = {}  # worker -> (generation, iteration) last learned from
         self._learned_intervals: dict[tuple[int, int, int], int] = {}  # (T, P, D) -> boundaries with reports
         self._interval = optimizer.interval
@@ -534,7 +541,9 @@ class Coordinator:
         if boundary and current is not None:
             self._learn(generation, current)
         batching = self._batching(view)
-        if current is None and len(view.available) < self._config.min_workers:
+        if not self._plans_for(members):
+            pass  # warned; a change of members may bring a model it can train
+        elif current is None and len(view.available) < self._config.min_workers:
             self._warn_once(f"waiting for {self._config.min_workers} workers before "
                             f"{'resuming from the checkpoint' if saved else 'the first plan'} "
                             f"({len(view.available)} registered)")
@@ -584,6 +593,32 @@ class Coordinator:
         if boundary:
             self._save()
 
+    def _plans_for(self, members: dict[int, MemberRecord]) -> bool:
+        """Keep the optimizer to the layouts every member's model can be built in; False
+        (warned) while there is none."""
+        models: dict[ModelShape, set[int]] = {}
+        for worker, member in sorted(members.items()):
+            shape = member.shape()
+            if shape is not None:
+                models.setdefault(shape, set()).add(worker)
+        if frozenset(models) != self._models:
+            self._models = frozenset(models)
+            if len(models) > 1:
+                log.error("workers train different models: %s; planning only layouts each of them can be built in",
+                          _differences(models))
+            self._rebuild()
+        if self._unbuildable:
+            self._warn_once(self._unbuildable)
+        return not self._unbuildable
+
+    def _rebuild(self) -> None:
+        """A new optimizer on what is known of throughput, for the members' models."""
+        try:
+            self._optimizer = self._config.optimizer(ForModels(self._throughput, self._models))
+            self._unbuildable = ""
+        except ProfileError as exc:
+            self._unbuildable = f"{exc}; waiting for workers of a model it can train"
+
     def _decide(self, *args, **kwargs) -> Decision:
         """The optimizer's decision; its expected liveput is kept for the interval's scalars."""
         decision = self._optimizer.decide(*args, **kwargs)
@@ -622,7 +657,8 @@ class Coordinator:
         self._learned_intervals[key] = self._learned_intervals.get(key, 0) + 1
         learned = self._learner.replan()
         if learned is not None:
-            self._optimizer = self._config.optimizer(learned)
+            self._throughput = learned
+            self._rebuild()
         self._events.write(ThroughputLearned(generation, *key, self._learned_intervals[key], estimate.reports,
                                              self._learner.model().iteration_seconds(layout),
                                              estimate.prior_seconds))
@@ -737,6 +773,13 @@ def _ids(workers: frozenset[int], shown: int = 8) -> str:
     if len(ordered) <= shown:
         return str(ordered)
     return f"[{', '.join(map(str, ordered[:shown]))}, ... {len(ordered)} in all]"
+
+
+def _differences(models: dict[ModelShape, set[int]]) -> str:
+    """What sets the models apart, by worker: 'workers [0, 1] num_query_groups=None; ...'."""
+    names = [f.name for f in dataclasses.fields(ModelShape) if len({getattr(m, f.name) for m in models}) > 1]
+    return "; ".join(f"workers {_ids(frozenset(workers))} " + ", ".join(f"{n}={getattr(m, n)}" for n in names)
+                     for m, workers in models.items())
 
 
 # -- command line --------------------------------------------------------------------

@@ -57,9 +57,9 @@ import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
-from reconfig.layout import ModelShape, Parallelism, balanced_partition, buildable_partitions
+from reconfig.layout import LAYOUT_NAMES, ModelShape, Parallelism, balanced_partition, buildable_partitions
 from reconfig.placement import Placement
 
 PROFILE_FORMAT = "megatron-parcae-layer-profile"
@@ -358,27 +358,56 @@ class PipelineModel(ThroughputModel):
         return self._rates.get(layout, 0.0)
 
 
-class OnInstances(ThroughputModel):
-    """The layouts of `base` whose tensor-parallel groups stay inside instances of G GPUs
-    (T divides G): a TP group all-reduces in every layer, which needs the instance's own
-    GPU links, and a preemption takes an instance whole (reconfig/placement.py)."""
+class _Subset(ThroughputModel):
+    """Some layouts of `base`, priced as `base` prices them."""
 
-    def __init__(self, base: ThroughputModel, gpus_per_instance: int):
+    def __init__(self, base: ThroughputModel, layouts: tuple[Parallelism, ...]):
         self.base = base
         self.model, self.global_batch_size, self.model_shape = base.model, base.global_batch_size, base.model_shape
-        placement = Placement(gpus_per_instance)
-        self._layouts = tuple(p for p in base.layouts() if placement.fits(p))
-        if not self._layouts:
-            sizes = ", ".join(map(str, sorted({p.tp for p in base.layouts()})))
-            raise ProfileError(f"profile of {base.model}: no layout fits instances of {gpus_per_instance} GPU(s): "
-                               f"its tensor-parallel sizes ({sizes}) do not divide {gpus_per_instance}")
-        self._fits = frozenset(self._layouts)
+        self._layouts = layouts
+        self._fits = frozenset(layouts)
 
     def layouts(self) -> tuple[Parallelism, ...]:
         return self._layouts
 
     def samples_per_second(self, layout: Parallelism) -> float:
         return self.base.samples_per_second(layout) if layout in self._fits else 0.0
+
+
+class OnInstances(_Subset):
+    """The layouts of `base` whose tensor-parallel groups stay inside instances of G GPUs
+    (T divides G): a TP group all-reduces in every layer, which needs the instance's own
+    GPU links, and a preemption takes an instance whole (reconfig/placement.py)."""
+
+    def __init__(self, base: ThroughputModel, gpus_per_instance: int):
+        placement = Placement(gpus_per_instance)
+        layouts = tuple(p for p in base.layouts() if placement.fits(p))
+        if not layouts:
+            sizes = ", ".join(map(str, sorted({p.tp for p in base.layouts()})))
+            raise ProfileError(f"profile of {base.model}: no layout fits instances of {gpus_per_instance} GPU(s): "
+                               f"its tensor-parallel sizes ({sizes}) do not divide {gpus_per_instance}")
+        super().__init__(base, layouts)
+
+
+# How `ForModels` names what rules a layout out: the workers' flags, the profile's sizes.
+_WORKER_NAMES = {**LAYOUT_NAMES, "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
+                 "num_query_groups": "--num-query-groups", "tp": "tensor-parallel size",
+                 "stage_layers": "layers per stage"}
+
+
+class ForModels(_Subset):
+    """The layouts of `base` that megatron-core can build each of `shapes` in: the models
+    the workers train. A throughput table takes its shape from the cost constants by name,
+    which need not split as the workers' model does (grouped-query attention, say), and a
+    worker refuses a plan its model cannot take."""
+
+    def __init__(self, base: ThroughputModel, shapes: Collection[ModelShape]):
+        layouts = tuple(p for p in base.layouts() if not any(s.problems(p) for s in shapes))
+        if not layouts:
+            why = dict.fromkeys(f for p in base.layouts() for s in shapes for f in s.problems(p, names=_WORKER_NAMES))
+            raise ProfileError(f"profile of {base.model}: no layout of it can train the workers' model: "
+                               f"{'; '.join(why)}")
+        super().__init__(base, layouts)
 
 
 def load_profile(path: str | Path, shapes: dict[str, ModelShape], model: str | None,

@@ -34,7 +34,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 
 from megatron_parcae.control.etcd.client import Compare, Delete, EtcdClient, Get, KeyValue, Put, StartedTxn
 from predictor.forecast import AvailabilityForecast
-from reconfig.layout import Layout
+from reconfig.layout import Layout, ModelShape
 from reconfig.plan import MIGRATION_KINDS, MigrationPlan
 
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -174,7 +174,9 @@ class MemberRecord(Record):
     or stalled), 0 if none; `state_kept` says whether it still holds its state of that
     generation's layout, whole at its last applied step (False: it failed mid-change).
     `can_save`: it writes checkpoints (--save), so the coordinator may ask it to save and
-    exit when the whole job is leaving."""
+    exit when the whole job is leaving. `model` is the model it trains
+    (`ModelShape.to_dict()`), so that the coordinator plans only layouts it can be built in
+    (a throughput table does not describe the model); None: not said (an older worker)."""
 
     worker_id: int
     instance: str  # the node it runs on: a preemption, notice or arrival concerns all of its workers
@@ -185,14 +187,21 @@ class MemberRecord(Record):
     state_kept: bool = True
     local_rank: int = 0  # its GPU on the instance
     can_save: bool = False
+    model: dict | None = None
 
     SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME,
               "generation": Field(int, 0, MAX_GENERATION), "broken": Field(int, 0, MAX_GENERATION),
-              "state_kept": Field(bool), "local_rank": Field(int, 0, 1023), "can_save": Field(bool, absent=False)}
+              "state_kept": Field(bool), "local_rank": Field(int, 0, 1023), "can_save": Field(bool, absent=False),
+              "model": Field(dict, 1, 32, nullable=True, absent=None)}
 
     def check(self, where: str) -> None:
         if self.broken > self.generation:
             raise SchemaError(where, f"broken generation {self.broken} is newer than generation {self.generation}")
+        self.shape(where)
+
+    def shape(self, where: str = "member") -> ModelShape | None:
+        """The model it trains, None if not said."""
+        return None if self.model is None else _body(f"{where}.model", ModelShape, self.model)
 
 
 @dataclass(frozen=True)
@@ -361,7 +370,7 @@ class CoordinatorState(Record):
 
 
 def _body(where: str, cls: type, body: dict) -> Any:
-    """A plan envelope's body as the reconfig/ object it encodes; that class validates it."""
+    """A record's body as the reconfig/ object it encodes; that class validates it."""
     try:
         return cls.from_dict(body)
     except (ValueError, TypeError, KeyError) as exc:

@@ -110,16 +110,16 @@ class LiveReconfiguration:
             args.parcae_worker_id = self._etcd("get a worker id", self.store.allocate_worker_id)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         notices = build_watcher(args.parcae_notice, args.parcae_metadata_endpoint) if local_rank == 0 else None
+        self.shape = ModelShape.from_args(args, vocab_size)
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
                                  args.parcae_lease_seconds, args.parcae_instance, local_rank, notices,
-                                 can_save=bool(args.save))
+                                 can_save=bool(args.save), model=self.shape)
         self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), process_group_backend(),
                            collective_timeout=collective_timeout(args), superseded=self._superseded)
         self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
         self._applying = 0  # the plan being applied, while one is
         self._lost_by_generation: dict[int, frozenset[int] | None] = {}
         self.samples_per_iteration = args.global_batch_size
-        self.shape = ModelShape.from_args(args, vocab_size)
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
         self._agreed: tuple[int, bool] | None = None  # what trained() agreed for the coming boundary
