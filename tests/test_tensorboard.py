@@ -1,16 +1,14 @@
-"""--tensorboard-dir, --wandb-project: the scalars a run writes, read back with
-TensorBoard's own reader; the model FLOPs behind TFLOP/s against a hand count."""
+"""--tensorboard-dir: the scalars a run writes, read back with TensorBoard's own reader
+(the same scalars go to wandb: test_wandb.py); the model FLOPs behind TFLOP/s against a
+hand count."""
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 
 from helpers import SMALL_GPT, losses, torchrun
 from megatron_parcae.events import Evaluation, Iteration, LayoutChange
 from megatron_parcae.training.metrics.flops import model_flops_per_step
-from megatron_parcae.training.pretrain import pretrain
 
 
 def matmul(m: int, k: int, n: int) -> int:
@@ -29,14 +27,6 @@ def test_gpt_and_bert_flops_match_a_hand_count():
     bert_forward = gpt_forward + matmul(s, h, h) + matmul(1, h, h) + matmul(1, h, 2)  # LM transform, pooler, head
     assert model_flops_per_step("bert", L, h, f, s, V, B, binary_head=True) == 3 * B * bert_forward
     assert model_flops_per_step("bert", L, h, f, s, V, B) == 3 * B * (bert_forward - matmul(1, h, h) - matmul(1, h, 2))
-
-
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
-def test_wandb_without_wandb_installed_fails_in_one_line(tiny_data, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        pretrain("gpt", SMALL_GPT + ["--train-iters", "2", "--wandb-project", "p", "--wandb-exp-name", "e"])
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err == "pretrain_gpt.py: error: --wandb-project: wandb is not installed (pip install wandb)\n"
 
 
 @pytest.mark.slow

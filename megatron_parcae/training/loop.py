@@ -59,8 +59,13 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
     events.open_training_events(args.parcae_events, metrics.reported if metrics is not None else None)
     exit_signal = ExitSignal() if args.exit_signal_handler else None
     checkpoints = checkpointing.Checkpointer(args.save, args.async_save, collective_timeout(args))
-    # A change releases the WORLD a save in flight needs: the hook completes it first.
-    hook = build_hook(args, vocab, LayoutRuntime, client, before_change=checkpoints.finish)
+
+    def before_change() -> None:
+        checkpoints.finish()  # a change releases the WORLD a save in flight needs
+        if metrics is not None:
+            metrics.layout_ends()  # the next layout's rank 0 may be another process
+
+    hook = build_hook(args, vocab, LayoutRuntime, client, before_change=before_change)
     dataset, valid_dataset = build_datasets(args, tokenizer)
     # All built so far lives as long as the process. Out of the cyclic collector's sight,
     # it is not scanned again by the full collection each layout change makes to free the
@@ -137,6 +142,8 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                 if not hook.can_recover(exc):
                     raise
                 checkpoints.abandon()
+                if metrics is not None:
+                    metrics.release_run()
                 runtime, consumed = hook.recover(runtime, progress.consumed_samples, exc)
             if runtime is None:
                 return 0  # left the job
