@@ -3,7 +3,8 @@
 
 Programs (the spot emulator, the benchmarks, the tests) read the events file with
 `read_events` or `EventFollower`, never the log: this module alone knows the log's
-format. `parcae coordinator --events` writes its published plans the same way.
+format. `parcae coordinator --events` writes its published plans, and what it learns
+of throughput and of migration costs, the same way.
 Free of torch, so that readers load fast.
 """
 
@@ -207,9 +208,27 @@ class ThroughputLearned(Event):
     prior_seconds: float
 
 
+@dataclass(frozen=True)
+class MigrationCostLearned(Event):
+    """The coordinator read the phases the in-place change to `generation` took (its
+    layout's rank 0 reports them) and fitted its migration cost model on the `reports`
+    changes it keeps: the seconds they add up to (`measured_seconds`), what the model
+    predicted of them before this report and predicts after, and `prior_seconds`, the
+    cost constants' prediction."""
+
+    NAME = "migration_cost_learned"
+    generation: int
+    kind: str
+    reports: int
+    measured_seconds: float
+    predicted_seconds: float
+    fitted_seconds: float
+    prior_seconds: float
+
+
 KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in
                                  (Iteration, Evaluation, Save, Load, LayoutChange, PlanPublished,
-                                  ThroughputLearned)}
+                                  ThroughputLearned, MigrationCostLearned)}
 _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
 TrainingEvent = Iteration | Evaluation | Save | Load | LayoutChange
 

@@ -140,7 +140,8 @@ def live_job(etcd_server, client, tmp_path):
 
     def coordinator(name: str) -> subprocess.Popen:
         p = start_logged([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", etcd_server.endpoint,
-                    "--job", job, "--config", str(config)], tmp_path / f"coordinator-{name}.log")
+                    "--job", job, "--config", str(config), "--events",
+                    str(tmp_path / f"coordinator-{name}.events.jsonl")], tmp_path / f"coordinator-{name}.log")
         processes.append(p)
         return p
 

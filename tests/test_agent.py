@@ -104,6 +104,18 @@ def test_step_reports_are_averaged_and_published(job_agent):
         agent.report_step(2, float("nan"), 24)
 
 
+def test_a_changes_phases_are_published_before_its_acknowledgement(job_agent):
+    agent, store = job_agent
+    agent.report_change(1, "pipeline", {"export": 0.01, "world": 0.2, "build": 1.5, "import": 0.02})
+    agent.acknowledge(1)
+    wait_for(lambda: store.members()[3].generation == 1, 10, "the acknowledgement")
+    assert store.change_reports()[1].phases == {"export": 0.01, "world": 0.2, "build": 1.5, "import": 0.02}
+    agent.report_change(2, "pipeline", {"world": float("nan")})  # refused here, not on the agent's thread
+    agent.acknowledge(2)
+    wait_for(lambda: store.members()[3].generation == 2, 10, "the next acknowledgement")
+    assert sorted(store.change_reports()) == [1]
+
+
 def test_coordinator_can_fence_a_worker(job_agent):
     agent, store = job_agent
     assert store.fence_member(3)

@@ -9,6 +9,7 @@ profile on which more workers train faster, so liveput grows the layout when it 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -23,18 +24,20 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import LEASE_S, new_job, python_child, wait_for
+from helpers import LEASE_S, envelope, new_job, python_child, wait_for
+from helpers import SHAPE as MODEL
 
 from megatron_parcae import cli
 from megatron_parcae.control.coordinator import ConfigError, Coordinator, CoordinatorConfig
 from megatron_parcae.control.etcd import JobStore, KeptLease, SchemaError
+from megatron_parcae.control.etcd.client import KeyValue
 from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, TRAIN, CoordinatorState, MemberRecord, NoticeRecord
-from megatron_parcae.control.etcd.keys import StepReport
+from megatron_parcae.control.etcd.keys import ChangeReport, StepReport
 from megatron_parcae.control.status import collect, render
-from megatron_parcae.events import EventWriter, ThroughputLearned, read_events
-from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
-from reconfig.layout import Layout
-from reconfig.plan import MigrationPlan
+from megatron_parcae.events import EventWriter, MigrationCostLearned, ThroughputLearned, read_events
+from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, MigrationCostModel
+from reconfig.layout import Layout, Parallelism
+from reconfig.plan import MigrationPlan, MigrationRequest, plan_migration
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"kind": "gpt", "num_layers": 4, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
@@ -89,10 +92,10 @@ class Worker:
 
 
 @contextlib.contextmanager
-def running(store: JobStore, config: Path, name: str = "coordinator", scalars=None):
+def running(store: JobStore, config: Path, name: str = "coordinator", scalars=None, events: Path | None = None):
     """A Coordinator serving in a thread of this process."""
     loaded = CoordinatorConfig.load(config)
-    coordinator = Coordinator(store, loaded, loaded.optimizer(), name, scalars=scalars)
+    coordinator = Coordinator(store, loaded, loaded.optimizer(), name, EventWriter(events), scalars)
     thread = threading.Thread(target=coordinator.serve, name=name, daemon=True)
     thread.start()
     try:
@@ -212,7 +215,8 @@ def test_each_interval_charts_availability_forecast_and_liveput_at_the_jobs_iter
 def test_arrival_grows_the_layout_once_the_current_one_is_applied(job):
     store, workers, tmp_path = job
     workers += [Worker(store, w) for w in range(3)]
-    with running(store, write_config(tmp_path, **{"min-workers": 3})):
+    events = tmp_path / "coordinator.events.jsonl"
+    with running(store, write_config(tmp_path, **{"min-workers": 3}), events=events):
         first = wait_generation(store, 1)
         assert len(first.workers) == 3
         workers.append(Worker(store, 3))
@@ -225,6 +229,15 @@ def test_arrival_grows_the_layout_once_the_current_one_is_applied(job):
         plan = migration(store, 2)
         assert plan.request.joining == {3} and plan.request.survivors == {0, 1, 2}
         assert "workers [3] join" in decision(store, 2)["reason"]
+        # The new layout's rank 0 reports the phases the change took: the costs are refitted.
+        phases = {"export": 0.01, "world": 0.3, "exchange": 0.02, "build": 2.0, "import": 0.01}
+        rank0 = workers[grown.slots[0]]
+        assert store.report_change(ChangeReport(2, plan.kind, phases), rank0.worker_id, rank0.lease.id)
+        learned = wait_for(lambda: [e for e in read_events(events) if isinstance(e, MigrationCostLearned)],
+                           WAIT_S, "the migration costs refitted")
+        assert (learned[0].generation, learned[0].reports) == (2, 1)
+        assert learned[0].measured_seconds == pytest.approx(sum(phases.values()))
+        assert learned[0].fitted_seconds != pytest.approx(learned[0].prior_seconds, rel=0.01)
 
 
 def test_step_reports_of_the_running_layout_correct_its_predicted_time(job):
@@ -259,6 +272,68 @@ def test_step_reports_of_the_running_layout_correct_its_predicted_time(job):
     assert (learned[-1].tp, learned[-1].pp, learned[-1].dp) == (layout.tp, layout.pp, layout.dp)
     assert learned[-1].reports == 3 and learned[-1].intervals == len(learned) == 3
     assert learned[-1].predicted_seconds == pytest.approx(3.2 * prior)
+
+
+class MemoryEtcd:
+    """The reads a coordinator's cost fit makes of etcd, from a dict of JSON payloads."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def get(self, key: str) -> KeyValue | None:
+        return KeyValue(key, self.values[key], 1, 1, 1, 0) if key in self.values else None
+
+    def get_prefix(self, prefix: str) -> list[KeyValue]:
+        return [self.get(key) for key in sorted(self.values) if key.startswith(prefix)]
+
+
+def test_reported_phases_refit_the_migration_costs_the_coordinator_plans_with(tmp_path):
+    """Two changes' measured phases bring the coordinator's predictions of both from what
+    the cost constants say to what was measured; a change whose WORLD broke, or whose
+    plan is gone, is left out; each new report gets its event."""
+    client, events = MemoryEtcd(), tmp_path / "coordinator.events.jsonl"
+    store = JobStore(client, new_job())
+    config = CoordinatorConfig.load(write_config(tmp_path))
+    coordinator = Coordinator(store, config, config.optimizer(), "unit", EventWriter(events))
+    grown = envelope(2, [0, 1, 2], previous=[0, 1])  # D 2 -> 3, a worker joins
+    plans = {2: MigrationPlan.from_dict(grown.migration)}
+    plans[3] = plan_migration(MigrationRequest(plans[2].new, plans[2].new.workers, frozenset(), frozenset()),
+                              Parallelism.even(4, 1, 2, 1), MODEL)  # P 1 -> 2
+    plans[4] = plans[3]  # its WORLD broke
+    default = coordinator._optimizer.costs
+    truth = MigrationCostModel(default.constants, default.shape, {  # how this job's changes go
+        "export": {"bytes": 2e-9}, "world": {"changes": 0.4}, "exchange": {"bytes": 3e-8},
+        "build": {"groups": 0.2, "parameters": 2e-6}, "import": {"bytes": 1e-9}})
+    measured = {g: truth.phase_seconds(plan) for g, plan in plans.items()}
+    for generation, plan in plans.items():
+        client.values[store.keys.plan(generation)] = dataclasses.replace(
+            grown, generation=generation, layout=plan.new.to_dict(), migration=plan.to_dict()).encode()
+    for generation, plan in [*plans.items(), (9, plans[2])]:  # no plan of 9 is kept
+        report = ChangeReport(generation, plan.kind, truth.phase_seconds(plan))
+        client.values[store.keys.change(generation)] = report.encode()
+    members = {0: MemberRecord(0, "node-0", 1000, 1.0, 4, broken=4, state_kept=True)}
+
+    def refit() -> None:  # as the watch on the change reports has the coordinator do
+        coordinator._changes_reported.set()
+        coordinator._refit(members)
+
+    coordinator._changes = {}  # it read before the reports came
+    refit()
+    costs = coordinator._optimizer.costs
+    for generation in (2, 3):
+        plan, seconds = plans[generation], sum(measured[generation].values())
+        assert default.plan_cost(plan).seconds != pytest.approx(seconds, rel=0.1)
+        assert costs.plan_cost(plan).seconds == pytest.approx(seconds)
+    learned = read_events(events)
+    assert [(e.generation, e.kind, e.reports) for e in learned] == [(2, plans[2].kind, 2), (3, "pipeline", 2)]
+    for event in learned:
+        assert isinstance(event, MigrationCostLearned)
+        assert event.measured_seconds == pytest.approx(sum(measured[event.generation].values()))
+        assert event.predicted_seconds == event.prior_seconds == pytest.approx(
+            sum(default.phase_seconds(plans[event.generation]).values()))
+        assert event.fitted_seconds == pytest.approx(event.measured_seconds)
+    refit()  # nothing new: no event, same costs
+    assert len(read_events(events)) == 2 and coordinator._optimizer.costs.phase_rates == costs.phase_rates
 
 
 def test_instances_of_two_gpus_go_and_come_whole(job):

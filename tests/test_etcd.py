@@ -34,8 +34,10 @@ from megatron_parcae.control.etcd import (
     SchemaError,
 )
 from megatron_parcae.control.etcd.keys import (
+    CHANGES_KEPT,
     SAVE_AND_EXIT,
     TRAIN,
+    ChangeReport,
     MemberRecord,
     NoticeRecord,
     ProgressRecord,
@@ -116,6 +118,48 @@ def test_malformed_generation_and_plans_are_refused(client):
             store.latest_plan()
     with pytest.raises(SchemaError, match="refused new PlanEnvelope"):
         PlanEnvelope(3, time.time(), bad_layout["layout"], None).encode()
+
+
+CHANGE = {"generation": 4, "kind": "pipeline",
+          "phases": {"export": 0.01, "world": 0.2, "exchange": 0.05, "build": 1.5, "import": 0.02}}
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"kind": "restart"}, "'restart' is not one of"),
+    ({"phases": {}}, "length 0 outside"),
+    ({"phases": {"world": -0.5}}, "phases.world: value -0.5 outside"),
+    ({"phases": {"world": "0.5"}}, "phases.world: expected float, got str"),
+    ({"phases": {"world": True}}, "phases.world: expected float, got bool"),
+    ({"phases": {"warm-up": 0.5}}, "'warm-up' is not one of export, world, exchange, build, import"),
+    ({"generation": 0}, "value 0 outside"),
+    ({"seconds": 1.0}, "unknown keys ['seconds']"),
+])
+def test_a_change_report_is_validated(change, why):
+    """The phases a change took, as its rank 0 reports them for the coordinator's fit."""
+    assert ChangeReport.decode(json.dumps(CHANGE).encode(), "good") == ChangeReport(**CHANGE)
+    with pytest.raises(SchemaError) as info:
+        ChangeReport.decode(json.dumps({**CHANGE, **change}).encode(), "/parcae/j/changes/4")
+    assert why in str(info.value) and "/parcae/j/changes/4" in str(info.value)
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        ChangeReport.decode(json.dumps(CHANGE).replace("0.2", "NaN").encode(), "/parcae/j/changes/4")
+
+
+def test_change_reports_are_written_by_members_and_only_the_newest_kept(client):
+    store = JobStore(client, new_job())
+    lease, _ = client.grant_lease(LEASE_S)
+    assert store.register_member(MemberRecord(0, "node-a", 4242, time.time(), 0), lease) == 0
+    generations = [g for g in range(1, CHANGES_KEPT + 6) if g % 3]  # restarts report no phases
+    for generation in generations:
+        assert store.report_change(ChangeReport(**{**CHANGE, "generation": generation}), 0, lease)
+    reports = store.change_reports()
+    assert sorted(reports) == generations[-CHANGES_KEPT:]
+    assert reports[generations[-1]] == ChangeReport(**{**CHANGE, "generation": generations[-1]})
+    client.revoke_lease(lease)  # reports outlive their writer, who can write no more
+    assert store.change_reports() == reports
+    assert not store.report_change(ChangeReport(**{**CHANGE, "generation": 40}), 0, lease)
+    client.put(store.keys.change(41), ChangeReport(**CHANGE).encode())
+    with pytest.raises(SchemaError, match="generation 4 does not match the key"):
+        store.change_reports()
 
 
 def test_save_and_exit_plans_are_checked_and_older_records_still_load(client):

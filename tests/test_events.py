@@ -16,6 +16,7 @@ from megatron_parcae.events import (
     Iteration,
     LayoutChange,
     Load,
+    MigrationCostLearned,
     PlanPublished,
     Save,
     read_events,
@@ -27,7 +28,8 @@ MIGRATION = LayoutChange(3, 12, "pipeline", 1, 4, 1, 0.2345, 1_048_576, 9, 812.4
                          phases={"export": 0.0041, "world": 0.05, "exchange": 0.0203, "build": 0.12, "import": 0.03})
 RESTART = LayoutChange(4, 10, "restart", 2, 2, 1, 3.5, source="/ckpt", lost_steps=2, time=1.0e9 + 2)
 ALL = [ITERATION, MIGRATION, RESTART, Save(12, "/ckpt", time=1.0e9 + 3), Load(10, "/ckpt", time=1.0e9 + 4),
-       PlanPublished(5, "tensor", 2, 1, 2, (3, 1, 4, 0), 1.25, "lost workers [2]", (2,), (), time=1.0e9 + 5)]
+       PlanPublished(5, "tensor", 2, 1, 2, (3, 1, 4, 0), 1.25, "lost workers [2]", (2,), (), time=1.0e9 + 5),
+       MigrationCostLearned(5, "tensor", 3, 2.5, 1.25, 2.25, 1.25, time=1.0e9 + 6)]
 
 
 @pytest.fixture
@@ -41,7 +43,7 @@ def test_every_kind_round_trips(path):
         writer.write(event)
     assert read_events(path) == ALL
     assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == [
-        "iteration", "layout_change", "layout_change", "save", "load", "plan_published"]
+        "iteration", "layout_change", "layout_change", "save", "load", "plan_published", "migration_cost_learned"]
 
 
 def test_writer_without_a_path_writes_nothing(tmp_path):

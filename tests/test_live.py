@@ -7,7 +7,7 @@ import signal
 
 from collective_probe import read_findings
 from helpers import ITERS, assert_close, trained_losses, wait_for, worker_events
-from megatron_parcae.events import Iteration, LayoutChange
+from megatron_parcae.events import Iteration, LayoutChange, MigrationCostLearned, read_events
 
 def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted):
     store, coordinator, worker, logs = live_job
@@ -45,6 +45,10 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     applied = [e.generation for e in events if isinstance(e, LayoutChange)]
     assert sorted(applied) == sorted(set(applied)), applied
     assert generation_at_kill + 1 in applied and max(applied) <= max(plans)
+    # The second coordinator refitted its migration costs on the phases that change took.
+    learned = [e.generation for e in read_events(logs / "coordinator-b.events.jsonl")
+               if isinstance(e, MigrationCostLearned)]
+    assert generation_at_kill + 1 in learned, learned
 
     # Every iteration once, and the same model as without any of this.
     trained = [e.iteration for e in events if isinstance(e, Iteration)]

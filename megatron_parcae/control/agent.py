@@ -39,6 +39,7 @@ import time
 
 from megatron_parcae.control.etcd.client import EtcdClient, EtcdError, KeptLease, StartedTxn, WatchEvent
 from megatron_parcae.control.etcd.keys import (
+    ChangeReport,
     JobStore,
     MemberRecord,
     NoticeRecord,
@@ -218,6 +219,7 @@ class ParcaeAgent:
         self._progress_sent: tuple[ProgressRecord, StartedTxn] | None = None  # a step's record in flight
         self._notices = notices
         self._steps = _StepWindow()
+        self._change: ChangeReport | None = None  # the newest applied change's phases, not yet published
         self._last_report_at = -math.inf
         self._report_interval = REPORT_INTERVAL_S
         self._progress: ProgressRecord | None = None  # the newest one not yet written
@@ -336,6 +338,21 @@ class ParcaeAgent:
             due = time.monotonic() - self._last_report_at >= self._report_interval
         if due:
             self._wake.ring()
+
+    def report_change(self, generation: int, kind: str, phases: dict[str, float]) -> None:
+        """Record the measured phases of the in-place change to `generation` (the layout's
+        rank 0 calls it), for the coordinator to fit its cost model on; published in the
+        background before the acknowledgement. A report etcd would refuse is dropped: it
+        is not worth stopping training for."""
+        report = ChangeReport(generation, kind, dict(phases))
+        try:
+            report.encode()
+        except SchemaError as exc:
+            log.warning("worker %d does not report the phases of generation %d: %s", self.worker_id, generation, exc)
+            return
+        with self._lock:
+            self._change = report
+        self._wake.ring()
 
     def record_progress(self, iteration: int, consumed_samples: int, generation: int | None = None) -> None:
         """Record how far training got (the running layout's rank 0, after each step, and
@@ -457,7 +474,7 @@ class ParcaeAgent:
         log.error("worker %d ignores a plan: %s", self.worker_id, error)
 
     def _run(self) -> None:
-        """Agent thread: publishes the notice, acknowledgements and step reports."""
+        """Agent thread: publishes the notice, change reports, acknowledgements and step reports."""
         while not self._stopping.is_set():
             self._wake.wait(min(REPORT_INTERVAL_S, self.lease_seconds / 3))
             if self._stopping.is_set() or self.fenced:
@@ -476,6 +493,13 @@ class ParcaeAgent:
             notice = NoticeRecord(self.worker_id, self._member.instance, reason, received_at, max(received_at, deadline))
             published = self._store.post_notice(notice, lease)
             self._notice_posted = published
+        with self._lock:
+            change = self._change
+        if published and change is not None:
+            published = self._store.report_change(change, self.worker_id, lease)
+            with self._lock:
+                if self._change is change:
+                    self._change = None
         with self._lock:
             member = self._member if self._member_dirty else None
         if published and member is not None:

@@ -41,6 +41,10 @@ Rules it keeps:
 - Only layouts the workers' model can be built in are planned: each member record says
   which model its worker trains, and a throughput table (unlike a layer profile) does
   not. While no layout of the profile can train it, the coordinator warns and waits.
+- Prices are learnt from the job: step times from the workers' step reports (at interval
+  boundaries), migration costs from the phases each in-place change took, which the new
+  layout's rank 0 reports (`ChangeReport`): the cost model's phase rates are fitted on the
+  changes still kept, beside their plans, as soon as one is reported.
 - When training ends (the `done` record a worker writes), the coordinator exits.
 """
 
@@ -65,7 +69,7 @@ from typing import Any
 
 import yaml
 
-from megatron_parcae.events import EventWriter, PlanPublished, ThroughputLearned
+from megatron_parcae.events import EventWriter, MigrationCostLearned, PlanPublished, ThroughputLearned
 from megatron_parcae.control.etcd import (
     EtcdClient,
     EtcdError,
@@ -82,13 +86,14 @@ from megatron_parcae.control.etcd.keys import (
     HISTORY_KEPT,
     SAVE_AND_EXIT,
     TRAIN,
+    ChangeReport,
     CoordinatorState,
     MemberRecord,
     NoticeRecord,
     ProfileRecord,
 )
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
-from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS
+from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, MigrationCostModel, PhaseRates
 from megatron_parcae.liveput.learned import ThroughputLearner
 from megatron_parcae.liveput.throughput import ForModels, ProfileError, ThroughputModel
 from megatron_parcae.scalars import ScalarBackend
@@ -187,10 +192,12 @@ class CoordinatorConfig:
             raise ConfigError(f"{where}: min-workers {config.min_workers} exceeds max-workers {config.max_workers}")
         return config
 
-    def optimizer(self, throughput: ThroughputModel | None = None) -> LiveputOptimizer:
+    def optimizer(self, throughput: ThroughputModel | None = None,
+                  phase_rates: PhaseRates | None = None) -> LiveputOptimizer:
         """The liveput optimizer of this job, built as `parcae simulate` builds it
         (liveput/factory.py), on the profile or on `throughput` made of it (learned from
-        step reports, kept to the workers' models)."""
+        step reports, kept to the workers' models), pricing changes by the constants or by
+        `phase_rates` (fitted on the changes' measured phases)."""
         constants = CostConstants.load(self.cost_constants)
         constants = dataclasses.replace(
             constants,
@@ -199,7 +206,7 @@ class CoordinatorConfig:
         )
         return build_liveput(throughput or self.profile, constants, model=self.model, max_workers=self.max_workers,
                              lookahead=self.lookahead, distributed_optimizer=self.distributed_optimizer,
-                             gpus_per_instance=self.gpus_per_instance).optimizer()
+                             gpus_per_instance=self.gpus_per_instance, phase_rates=phase_rates).optimizer()
 
 
 def _existing_file(where: str, key: str, value: Any, base: Path) -> Path:
@@ -264,6 +271,10 @@ class Coordinator:
         self._unbuildable = ""  # why no layout can train them, while none can
         self._reported: dict[int, tuple[int, int]] = {}  # worker -> (generation, iteration) last learned from
         self._learned_intervals: dict[tuple[int, int, int], int] = {}  # (T, P, D) -> boundaries with reports
+        self._phase_rates: PhaseRates = {}  # the cost model's, fitted on the changes' measured phases
+        self._changes_reported = threading.Event()  # a change report was written since the last read
+        # The reported changes fitted on, by generation; None: none read since leadership was won.
+        self._changes: dict[int, tuple[MigrationPlan, ChangeReport]] | None = None
         self._interval = optimizer.interval
         # A layer profile was measured on one model (a throughput table names one only).
         self._profile = ProfileRecord(config.profile.name, optimizer.costs.shape.to_dict()) \
@@ -305,6 +316,7 @@ class Coordinator:
         keys = self._store.keys
         watches = [self._client.watch(prefix, lambda events: self._wake.set(), prefix=True)
                    for prefix in (keys.members, keys.notices, keys.done)]
+        watches.append(self._client.watch(keys.changes, lambda events: self._change_reported(), prefix=True))
         try:
             with self._leadership:
                 while not self._stopping.is_set():
@@ -318,6 +330,10 @@ class Coordinator:
         finally:
             for watch in watches:
                 watch.stop()
+
+    def _change_reported(self) -> None:
+        self._changes_reported.set()
+        self._wake.set()
 
     def _leader_name(self) -> str:
         try:
@@ -392,6 +408,8 @@ class Coordinator:
         self._admitted = {int(w): p for w, p in state.admitted.items()} if state is not None else {}
         self._decisions = deque(state.decisions if state is not None else (), maxlen=DECISIONS_KEPT)
         self._busy_until = 0.0
+        self._changes = None
+        self._changes_reported.set()
         self._resumed = True
         log.info("resumed with %d intervals of availability history and generation %d",
                  len(self._history), self._store.current_generation())
@@ -540,6 +558,7 @@ class Coordinator:
             self._chart()
         if boundary and current is not None:
             self._learn(generation, current)
+        self._refit(members)
         batching = self._batching(view)
         if not self._plans_for(members):
             pass  # warned; a change of members may bring a model it can train
@@ -612,9 +631,10 @@ class Coordinator:
         return not self._unbuildable
 
     def _rebuild(self) -> None:
-        """A new optimizer on what is known of throughput, for the members' models."""
+        """A new optimizer on what is known of throughput and migration costs, for the
+        members' models."""
         try:
-            self._optimizer = self._config.optimizer(ForModels(self._throughput, self._models))
+            self._optimizer = self._config.optimizer(ForModels(self._throughput, self._models), self._phase_rates)
             self._unbuildable = ""
         except ProfileError as exc:
             self._unbuildable = f"{exc}; waiting for workers of a model it can train"
@@ -662,6 +682,51 @@ class Coordinator:
         self._events.write(ThroughputLearned(generation, *key, self._learned_intervals[key], estimate.reports,
                                              self._learner.model().iteration_seconds(layout),
                                              estimate.prior_seconds))
+
+    def _refit(self, members: dict[int, MemberRecord]) -> None:
+        """Once a change is reported: fit the migration cost model on the phases the kept
+        changes took and re-plan with it. A change is left out when its WORLD broke (a
+        member says so) or its plan is gone. Each change reported since the last read
+        gets a MigrationCostLearned event (on resuming, the reports found were the
+        previous leader's to announce)."""
+        if not self._changes_reported.is_set():
+            return
+        self._changes_reported.clear()
+        known = self._changes or {}
+        broken = {member.broken for member in members.values()}
+        changes: dict[int, tuple[MigrationPlan, ChangeReport]] = {}
+        try:
+            for generation, report in sorted(self._store.change_reports().items()):
+                plan = known[generation][0] if generation in known else self._migration(generation)
+                if generation not in broken and plan is not None and plan.kind == report.kind:
+                    changes[generation] = (plan, report)
+        except SchemaError as exc:
+            self._warn_once(f"migration costs not fitted: {exc}")
+            return
+        except EtcdError:
+            self._changes_reported.set()  # read again once etcd answers
+            raise
+        fresh = [] if self._changes is None else sorted(changes.keys() - known.keys())
+        self._changes = changes
+        costs = self._optimizer.costs
+        prior = MigrationCostModel(costs.constants, costs.shape)
+        fitted = prior.fitted([(plan, report.phases) for plan, report in changes.values()])
+        for generation in fresh:
+            plan, report = changes[generation]
+            measured, predicted = sum(report.phases.values()), _phases_seconds(costs, plan, report)
+            log.info("generation %d: the %s change took %.3f s, %.3f s predicted; migration costs fitted on %d "
+                     "changes", generation, report.kind, measured, predicted, len(changes))
+            self._events.write(MigrationCostLearned(generation, report.kind, len(changes), measured, predicted,
+                                                    _phases_seconds(fitted, plan, report),
+                                                    _phases_seconds(prior, plan, report)))
+        if fitted.phase_rates != self._phase_rates:
+            self._phase_rates = fitted.phase_rates
+            self._rebuild()
+
+    def _migration(self, generation: int) -> MigrationPlan | None:
+        """The migration the plan of `generation` made; None if it made none or is gone."""
+        envelope = self._store.plan(generation)
+        return None if envelope is None or envelope.migration is None else MigrationPlan.from_dict(envelope.migration)
 
     def _batching(self, view: MemberView) -> bool:
         """Whether a worker's instance got its notice too recently to act: the rest of its
@@ -765,6 +830,12 @@ class Coordinator:
         if not parts:
             parts.append("liveput prefers another layout")
         return "; ".join(parts)
+
+
+def _phases_seconds(costs: MigrationCostModel, plan: MigrationPlan, report: ChangeReport) -> float:
+    """What `costs` predict of the phases of `plan` that `report` measured."""
+    predicted = costs.phase_seconds(plan)
+    return sum(predicted[phase] for phase in report.phases)
 
 
 def _ids(workers: frozenset[int], shown: int = 8) -> str:

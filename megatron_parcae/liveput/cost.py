@@ -41,7 +41,8 @@ layout is built), so the parts add up. They are the phases the executor times an
 change's event reports (reconfig/phases.py: export and import are the staging, build
 the groups and the model): `phase_seconds` predicts each, and `fitted` gives the model
 whose rates (seconds per byte, per group, per parameter, per change) are fitted on
-measured phases; a phase so fitted is priced at its rates, the others by the constants.
+measured phases (the live coordinator refits it after every change; a benchmark fits it
+offline); a phase so fitted is priced at its rates, the others by the constants.
 No process restarts, no checkpoint is read: an intra-stage change (a survivor takes a
 lost rank's place, or D shrinks) moves no state.
 
@@ -330,16 +331,23 @@ class MigrationCostModel:
     def fitted(self, observed: Sequence[tuple[MigrationPlan, Mapping[str, float]]]) -> MigrationCostModel:
         """This model with the rates of each phase fitted on the measured phases of
         carried-out plans (a LayoutChange's `phases`), by non-negative least squares over
-        all of them, whatever their kind; a phase none reports keeps its price."""
+        all of them, whatever their kind. A phase keeps its price until its observations
+        tell each of its rates apart: one change cannot split build's seconds between
+        groups and parameters, and changes that move no byte say nothing of exchange's
+        rate (a fit on them would make it free)."""
         rates: dict[str, dict[str, float]] = {}
+        quantities = [self.phase_quantities(plan) for plan, _ in observed]
         for phase in phases.PHASES:
-            rows = [(self.phase_quantities(plan)[phase], measured[phase])
-                    for plan, measured in observed if phase in measured]
-            if rows:
-                names = list(rows[0][0])
-                solution, _ = nnls(np.array([[q[n] for n in names] for q, _ in rows]),
-                                   np.array([seconds for _, seconds in rows]))
-                rates[phase] = dict(zip(names, map(float, solution)))
+            rows = [(q[phase], measured[phase]) for q, (_, measured) in zip(quantities, observed) if phase in measured]
+            if not rows:
+                continue
+            names = list(rows[0][0])
+            matrix = np.array([[q[n] for n in names] for q, _ in rows])
+            scale = np.linalg.norm(matrix, axis=0)  # bytes and groups differ by orders of magnitude
+            if not scale.all() or np.linalg.matrix_rank(matrix / scale) < len(names):
+                continue
+            solution, _ = nnls(matrix / scale, np.array([seconds for _, seconds in rows]))
+            rates[phase] = dict(zip(names, map(float, solution / scale)))
         return MigrationCostModel(self.constants, self.shape, {**self.phase_rates, **rates})
 
     def state_bytes(self, parallelism: Parallelism) -> float:

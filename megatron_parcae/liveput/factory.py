@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_parcae.liveput.cost import COST_MODELS, CostConstants, MigrationCostModel
+from megatron_parcae.liveput.cost import COST_MODELS, CostConstants, MigrationCostModel, PhaseRates
 from megatron_parcae.liveput.optimizer import LiveputOptimizer
 from megatron_parcae.liveput.throughput import OnInstances, ThroughputModel, load_profile
 
@@ -49,20 +49,27 @@ class LiveputStack:
 
 def build_liveput(profile: str | Path | ThroughputModel, constants: CostConstants, *, lookahead: int,
                   distributed_optimizer: bool, model: str | None = None, max_workers: int | None = None,
-                  gpus_per_instance: int = 1, cost_model: str = "megatron-parcae") -> LiveputStack:
+                  gpus_per_instance: int = 1, cost_model: str = "megatron-parcae",
+                  phase_rates: PhaseRates | None = None) -> LiveputStack:
     """The stack for `profile`: a throughput model, or a file `load_profile` reads (a CSV
     table takes its shape from `constants` under `model`; a layer profile enumerates
     layouts on up to `max_workers` workers), on instances of `gpus_per_instance` GPUs:
     only layouts whose T divides it are kept (ProfileError when none is). `cost_model`
     names who prices a change (`COST_MODELS`): "megatron-parcae", what this project's
-    executor does, or "parcae", what Parcae's artifact charges (T = 1 layouts only)."""
+    executor does, or "parcae", what Parcae's artifact charges (T = 1 layouts only).
+    `phase_rates`: the executor's phases as the job measured them (`MigrationCostModel.fitted`;
+    the live coordinator's), not as the constants price them."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost model {cost_model!r}; known: {', '.join(COST_MODELS)}")
+    if phase_rates and cost_model != "megatron-parcae":
+        raise ValueError("fitted phase rates price this project's executor: not with the parcae cost model")
     throughput = profile if isinstance(profile, ThroughputModel) else \
         load_profile(profile, constants.models, model, max_workers)
     throughput = OnInstances(throughput, gpus_per_instance)
     if cost_model == "parcae" and any(p.tp > 1 for p in throughput.layouts()):
         raise ValueError("the parcae cost model prices Parcae's engine, which has no tensor parallelism: "
                          "the profile has layouts with T > 1")
-    return LiveputStack(throughput, COST_MODELS[cost_model](constants, throughput.model_shape), lookahead,
-                        distributed_optimizer, gpus_per_instance, CANDIDATES[cost_model])
+    costs = MigrationCostModel(constants, throughput.model_shape, phase_rates) if phase_rates else \
+        COST_MODELS[cost_model](constants, throughput.model_shape)
+    return LiveputStack(throughput, costs, lookahead, distributed_optimizer, gpus_per_instance,
+                        CANDIDATES[cost_model])

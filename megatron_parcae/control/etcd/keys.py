@@ -9,6 +9,7 @@ Every key of a job, all under `/parcae/<job>/`:
     coordinator         CoordinatorState  what a restarted coordinator continues from
     generation          JSON integer      the newest published generation (absent = 0)
     plans/<generation>  PlanEnvelope      that generation's layout, and the migration to it or a save-and-exit
+    changes/<generation> ChangeReport     the phases of the in-place change to it, as measured; on no lease
     progress            ProgressRecord    how far training got; on no lease, it outlives the workers
     done                DoneRecord        training ended
     store/...           (torch store)     the WORLDs' rendezvous (etcd/store.py), `parcae/g<N>/` per generation
@@ -35,6 +36,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence, TypeVar
 from megatron_parcae.control.etcd.client import Compare, Delete, EtcdClient, Get, KeyValue, Put, StartedTxn
 from predictor.forecast import AvailabilityForecast
 from reconfig.layout import Layout, ModelShape
+from reconfig.phases import PHASES
 from reconfig.plan import MIGRATION_KINDS, MigrationPlan
 
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -43,6 +45,7 @@ MAX_WORKER_ID = 2**31 - 1
 MAX_GENERATION = 2**53  # exact in a JSON double
 MAX_TIMESTAMP = 1e11  # wall-clock seconds since the epoch; far beyond any real date
 PLANS_KEPT = 16  # older plans are deleted when a new one is published
+CHANGES_KEPT = PLANS_KEPT  # change reports kept: the coordinator reads them beside their plans
 CHECKED_PLANS_KEPT = 4  # plan payloads a process remembers having checked (the newest are the ones read again)
 HISTORY_KEPT = 10_080  # intervals of availability history the coordinator keeps (a week of minutes)
 DECISIONS_KEPT = 16  # published decisions the coordinator keeps for `parcae status`, as many as the plans kept
@@ -283,6 +286,28 @@ class StepReport(Record):
     }
 
 
+@dataclass(frozen=True)
+class ChangeReport(Record):
+    """The seconds of each phase (reconfig/phases.py) of the in-place change to
+    `generation`, as its layout's rank 0 measured them (its LayoutChange event's):
+    the coordinator fits its migration cost model on them."""
+
+    generation: int
+    kind: str  # the migration's (reconfig/plan.py's MIGRATION_KINDS)
+    phases: dict
+
+    SCHEMA = {"generation": Field(int, 1, MAX_GENERATION), "kind": Field(str, 1, 32),
+              "phases": Field(dict, 1, len(PHASES))}
+
+    def check(self, where: str) -> None:
+        if self.kind not in MIGRATION_KINDS:
+            raise SchemaError(f"{where}.kind", f"{self.kind!r} is not one of {', '.join(MIGRATION_KINDS)}")
+        for phase, seconds in self.phases.items():
+            if phase not in PHASES:
+                raise SchemaError(f"{where}.phases", f"{phase!r} is not one of {', '.join(PHASES)}")
+            Field(float, 0, 1e6).check(seconds, f"{where}.phases.{phase}")
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53
 
@@ -476,6 +501,10 @@ class JobKeys:
         return self.prefix + "plans/"
 
     @property
+    def changes(self) -> str:
+        return self.prefix + "changes/"
+
+    @property
     def leader(self) -> str:
         return self.prefix + "leader"
 
@@ -524,6 +553,9 @@ class JobKeys:
 
     def plan(self, generation: int) -> str:
         return f"{self.plans}{Field(int, 1, MAX_GENERATION).check(generation, 'generation'):016d}"
+
+    def change(self, generation: int) -> str:
+        return f"{self.changes}{Field(int, 1, MAX_GENERATION).check(generation, 'generation'):016d}"
 
 
 def _numbered(kvs: Sequence[KeyValue], prefix: str, decode: Callable[[bytes, str], R], id_field: str) -> dict[int, R]:
@@ -659,6 +691,23 @@ class JobStore:
             writes.append(Delete(self.keys.plan(g - PLANS_KEPT)))
             writes.append(Delete(self.keys.world_store(g - PLANS_KEPT), prefix=True))
         return self.client.txn([previous, *guard], writes).succeeded
+
+    # -- measured changes ------------------------------------------------------------
+
+    def report_change(self, report: ChangeReport, worker_id: int, lease: int) -> bool:
+        """Publish the phases of an applied change, if `worker_id` is still a member on
+        `lease`. The record is on no lease (the coordinator may read it after its writer
+        left) and only the newest CHANGES_KEPT are kept: older ones go in the same write."""
+        key = self.keys.change(report.generation)
+        older = sorted(kv.key for kv in self.client.get_prefix(self.keys.changes) if kv.key != key)
+        stale = older[:max(0, len(older) - CHANGES_KEPT + 1)]  # zero-padded keys sort by generation
+        guard = Compare(self.keys.member(worker_id), "lease", "==", lease)
+        return self.client.txn([guard], [Put(key, report.encode()), *map(Delete, stale)]).succeeded
+
+    def change_reports(self) -> dict[int, ChangeReport]:
+        """The reported changes still kept (the newest CHANGES_KEPT), by generation."""
+        return _numbered(self.client.get_prefix(self.keys.changes), self.keys.changes, ChangeReport.decode,
+                         "generation")
 
     # -- end of training -------------------------------------------------------------
 

@@ -393,12 +393,18 @@ class LiveReconfiguration:
         if runtime is None and me not in plan.new.workers:
             return None, consumed_samples  # not in this change
         started = time.perf_counter()
-        held = hand_over(runtime) if _is_running(runtime) else runtime
+        handed_over = _is_running(runtime)
+        held = hand_over(runtime) if handed_over else runtime
         runtime, consumed_samples = migrate(plan, envelope.generation, self.world, held, self.build,
                                             consumed_samples)
         if runtime is not None and dist.get_rank() == 0:
+            figures = change_figures(plan, started)
             events.report(events.LayoutChange.of_migration(
-                envelope.generation, consumed_samples // self.samples_per_iteration, change_figures(plan, started)))
+                envelope.generation, consumed_samples // self.samples_per_iteration, figures))
+            # The coordinator refits its cost model on these. A worker that held no running
+            # layout began timing before its peers' last step ended: not the change's time.
+            if handed_over:
+                self.agent.report_change(envelope.generation, figures.kind, figures.phases)
         return runtime, consumed_samples
 
     def _save_and_exit(self, generation: int, runtime: Runtime | HeldState | None,
