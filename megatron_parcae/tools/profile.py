@@ -4,11 +4,25 @@ The liveput optimizer's analytic 1F1B model (megatron_parcae/liveput/throughput.
 `megatron-parcae-layer-profile`) needs, for the embedding, every transformer layer and
 the head: forward and backward time of one micro-batch at T = 1, the activation bytes a
 micro-batch keeps until its backward, and the bytes a stage sends on. This command builds
-the real megatron-core model (one process, T = P = 1), runs each unit on its own with
-inputs of the configured shape, and writes those figures:
+a megatron-core model of the configured shape with one transformer layer (one process,
+T = P = 1, embedding and head included), runs each unit on its own with inputs of the
+configured shape, and writes those figures, the layer's repeated for every layer of the
+model: the transformer layers of a GPT or BERT all have the same shape, so they cost the
+same. The device thus holds one layer, the embedding and the head with their optimizer
+state, whatever the depth (for GPT-6.7B, 0.4 B of its 6.7 B parameters).
+The profile describes the whole model (`model_shape`, each unit's parameters), so it is
+refused for any other:
 
     parcae profile --output gpt-1.5b.profile.json -- --config configs/gpt-1.5b.yaml --bf16 \\
         --transformer-impl transformer_engine --mock-data --vocab-size 50257
+
+Tensor parallelism is modelled, not measured: PipelineModel prices T > 1 from the T = 1
+figures (compute divided by T, plus four ring all-reduces of a layer's output per layer at
+`tensor_parallel_bytes_per_second`). That bandwidth defaults to the cost constants'
+`intra_instance_bytes_per_second` (liveput/parcae_cost_constants.json: 25 GB/s, one NVLink
+2.0 link between two V100s of a p3 instance), since a tensor-parallel group never leaves
+its instance (OnInstances); pipeline and data-parallel traffic crosses the network, 10 Gb/s
+unless `--link-bytes-per-second` says otherwise.
 
 With `--analytic` it builds no model: it times this device's matmuls at the model's own
 shapes and its memory bandwidth (a second or two) and computes the figures from the
@@ -19,15 +33,17 @@ the coordinator corrects it from the step times the workers report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from megatron_parcae.liveput.analytic import GRADIENT_BYTES_PER_PARAM, DeviceRates, analytic_profile
+from megatron_parcae.liveput.cost import CostConstants
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 
 DEFAULT_LINK_BYTES_PER_SECOND = 1.25e9  # 10 Gb/s, the network of Parcae's p3.2xlarge cluster
@@ -42,8 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured matmul rate and memory bandwidth (a prior the coordinator corrects)")
     parser.add_argument("--link-bytes-per-second", type=float, default=DEFAULT_LINK_BYTES_PER_SECOND,
                         help="bandwidth between workers (pipeline p2p, data-parallel all-reduce)")
-    parser.add_argument("--tensor-parallel-bytes-per-second", type=float, default=None,
-                        help="bandwidth of tensor-parallel all-reduces (default: the link bandwidth)")
+    parser.add_argument("--tensor-parallel-bytes-per-second", type=float,
+                        default=CostConstants.load().intra_instance_bytes_per_second,
+                        help="bandwidth of tensor-parallel all-reduces, inside an instance (default: %(default).3g, "
+                             "the cost constants' intra_instance_bytes_per_second)")
     parser.add_argument("--max-tensor-parallel", type=int, default=8, help="GPUs that share a fast link")
     parser.add_argument("megatron_args", nargs=argparse.REMAINDER,
                         help="-- then the model's Megatron-LM flags or --config FILE.yaml")
@@ -55,14 +73,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _UnitTimer:
-    """Times one unit's forward and backward and counts what autograd saves for backward."""
+class UnitTimer:
+    """Times one unit's forward and backward and counts what autograd saves for backward:
+    a micro-batch's activations, not the parameters (state, counted per parameter), whose
+    storage is the model's whole parameter buffer under the distributed optimizer."""
 
-    def __init__(self, repeats: int) -> None:
+    def __init__(self, repeats: int, parameters: Iterable[object]) -> None:
         import torch
 
         self.torch = torch
         self.repeats = repeats
+        self.parameter_storage = {p.untyped_storage().data_ptr() for p in parameters}
 
     def _sync(self) -> None:
         if self.torch.cuda.is_available():
@@ -73,11 +94,14 @@ class _UnitTimer:
         saved: dict[int, int] = {}
 
         def pack(t):
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self.parameter_storage:
+                saved[storage.data_ptr()] = storage.nbytes()
             return t
 
         fwd, bwd = [], []
         for run in range(self.repeats + 1):
+            saved.clear()  # one run's: another run's tensors may lie elsewhere
             self._sync()
             start = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -97,8 +121,14 @@ class _UnitTimer:
         return unit, out.detach()
 
 
+def one_layer(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with one transformer layer: every layer has the same shape, so one stands for all."""
+    return argparse.Namespace(**{**vars(args), "num_layers": 1, "stage_layers": (1,)})
+
+
 def measure(args: argparse.Namespace, repeats: int) -> dict:
-    """Per-unit costs of the model `args` describe, on this process's device."""
+    """Costs of the embedding, one transformer layer, the head and the optimizer step of
+    the model `args` describe, on this process's device, from a one-layer copy of it."""
     import torch
 
     from megatron_parcae.training.data.datasets import build_tokenizer
@@ -110,22 +140,23 @@ def measure(args: argparse.Namespace, repeats: int) -> dict:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     initialize_distributed()
     vocab = padded_vocab_size(build_tokenizer(args).vocab_size, args)
-    runtime = LayoutRuntime(args, vocab)
+    runtime = LayoutRuntime(one_layer(args), vocab)
     chunk = unwrap(runtime.model[0])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b, s = args.micro_batch_size, args.seq_length
     tokens = torch.randint(0, vocab, (b, s), device=device)
     positions = torch.arange(s, device=device).expand(b, s)
-    timer = _UnitTimer(repeats)
+    timer = UnitTimer(repeats, chunk.parameters())
     bert = args.model == "bert"
     mask = torch.zeros(b, 1, 1, s, dtype=torch.bool, device=device) if bert else None
 
-    embedding, hidden = timer.measure(lambda: chunk.embedding(input_ids=tokens, position_ids=positions))
-    layers = []
-    for layer in transformer_layers(chunk):
-        x = hidden.clone().requires_grad_(True)
-        unit, hidden = timer.measure(lambda: layer(hidden_states=x, attention_mask=mask)[0])
-        layers.append(unit)
+    # BERT's binary head comes with sentence (token type) embeddings, which need their ids.
+    types = torch.zeros_like(tokens) if chunk.embedding.num_tokentypes else None
+    embedding, hidden = timer.measure(lambda: chunk.embedding(input_ids=tokens, position_ids=positions,
+                                                              tokentype_ids=types))
+    (layer,) = transformer_layers(chunk)
+    x = hidden.clone().requires_grad_(True)
+    layer_unit, hidden = timer.measure(lambda: layer(hidden_states=x, attention_mask=mask)[0])
     x = hidden.clone().requires_grad_(True)
     weight = chunk.shared_embedding_or_output_weight()
 
@@ -138,12 +169,9 @@ def measure(args: argparse.Namespace, repeats: int) -> dict:
         return loss.float().mean().view(1)
 
     head_unit, _ = timer.measure(head)
-    start = time.perf_counter()
-    runtime.optimizer.step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    optimizer_ms = 1000 * (time.perf_counter() - start)
-    return {"embedding": embedding, "layers": layers, "head": head_unit, "optimizer_ms": optimizer_ms,
+    # The first step allocates Adam's moments: time the steps after it.
+    optimizer_ms = 1000 * _seconds_per_call(runtime.optimizer.step, repeats)
+    return {"embedding": embedding, "layer": layer_unit, "head": head_unit, "optimizer_ms": optimizer_ms,
             "vocab_size": vocab, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
 
@@ -207,21 +235,23 @@ def build_analytic_profile(args: argparse.Namespace, options: argparse.Namespace
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         seq_length=args.seq_length, value_bytes=2 if args.bf16 or args.fp16 else 4,
         device=measure_device(args, options.repeats), link_bytes_per_second=options.link_bytes_per_second,
-        tensor_parallel_bytes_per_second=options.tensor_parallel_bytes_per_second or options.link_bytes_per_second,
+        tensor_parallel_bytes_per_second=options.tensor_parallel_bytes_per_second,
         max_tensor_parallel=options.max_tensor_parallel)
 
 
 def build_profile(args: argparse.Namespace, measured: dict, options: argparse.Namespace) -> dict:
-    """The profile document, with the optimizer step shared out over units by parameters."""
+    """The profile document of the whole model `args` describe, from `measure`'s figures:
+    the one layer's for every layer, and the one-layer model's optimizer step shared out
+    over the whole model's units by parameters."""
     from reconfig.layout import ModelShape
 
     shape = ModelShape.from_args(args, measured["vocab_size"])
-    units = {u.name: u.params for u in shape.units()}
-    total = sum(units.values())
-    share = {name: measured["optimizer_ms"] * params / total for name, params in units.items()}
+    built = dataclasses.replace(shape, num_layers=1)
+    ms_per_param = measured["optimizer_ms"] / sum(u.params for u in built.units())
+    share = {u.name: ms_per_param * u.params for u in shape.units()}
     embedding = {**measured["embedding"],
                  "optimizer_ms": sum(v for k, v in share.items() if k.startswith("embedding"))}
-    layers = [{**unit, "optimizer_ms": share[f"layer.{i}"]} for i, unit in enumerate(measured["layers"])]
+    layers = [{**measured["layer"], "optimizer_ms": share[f"layer.{i}"]} for i in range(shape.num_layers)]
     head = {**measured["head"], "optimizer_ms": share.get("head", 0.0)}
     return {
         "format": "megatron-parcae-layer-profile", "version": 1,
@@ -230,7 +260,7 @@ def build_profile(args: argparse.Namespace, measured: dict, options: argparse.Na
         "micro_batch_size": args.micro_batch_size, "global_batch_size": args.global_batch_size,
         "gpu_memory_bytes": _memory_bytes(),
         "link_bytes_per_second": options.link_bytes_per_second,
-        "tensor_parallel_bytes_per_second": options.tensor_parallel_bytes_per_second or options.link_bytes_per_second,
+        "tensor_parallel_bytes_per_second": options.tensor_parallel_bytes_per_second,
         "max_tensor_parallel": options.max_tensor_parallel,
         "memory_bytes_per_param": shape.state_bytes_per_param + GRADIENT_BYTES_PER_PARAM,  # state, gradient
         "gradient_bytes_per_param": GRADIENT_BYTES_PER_PARAM,
