@@ -8,8 +8,8 @@
 # today; both summaries side by side, each against the ideal (every change free), the
 # samples ratio, a timeline in replay/timeline.png and everything in replay/summary.json.
 # The trace runs 6x faster than the wall clock, a restart does not: a checkpoint-restart
-# restart takes about 6 s on 2 quiet cores, 36 trace seconds, 0.6 of the 60 s planning
-# interval, as on a real cluster (Parcae measured 29-43 s restarts). At 20x it would be 2.
+# restart takes 6-8 s on 2 cores, 36-48 trace seconds, 0.6-0.8 of the 60 s planning
+# interval, about as on a real cluster (Parcae measured 29-43 s restarts). At 20x: 2-3.
 # AWS's 120 s notice is 20 s at 6x. Two replays of 240 s each: about 9 minutes in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
