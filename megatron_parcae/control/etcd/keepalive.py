@@ -112,6 +112,7 @@ class KeepAliveStream:
     # -- the reading thread ----------------------------------------------------------
 
     def _run(self) -> None:
+        # Not tenacity: its waits count attempts, and this backoff restarts mid-attempt, at each answer on the stream.
         backoff = _BACKOFF_S[0]
         answered_since_failure = True  # warn once an outage, not at every attempt
         while True:

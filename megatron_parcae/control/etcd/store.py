@@ -20,18 +20,18 @@ cannot miss an event across an etcd reconnect.
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import torch.distributed as dist
+from tenacity import RetryCallState, Retrying, retry_if_exception, retry_if_result, stop_after_delay, wait_exponential
 
 from megatron_parcae.control.etcd.client import Compare, EtcdAuthError, EtcdClient, EtcdError, Put
 
 T = TypeVar("T")
-_FIRST_BACKOFF_S = 0.001
-_MAX_BACKOFF_S = 0.02
+_BACKOFF = wait_exponential(multiplier=0.001, max=0.02)  # 1 ms, doubling up to 20 ms
 
 
 def _as_bytes(value: str | bytes) -> bytes:
@@ -60,25 +60,29 @@ class EtcdStore(dist.Store):
         as torch's kNoTimeout does.
         """
         limit = (self.timeout if timeout is None else timeout).total_seconds()
-        deadline = time.monotonic() + limit if limit > 0 else float("inf")
-        backoff, last_error = _FIRST_BACKOFF_S, ""
-        while True:
-            try:
-                result = attempt()
-                if result is not None:
-                    return result
-            except EtcdAuthError:
-                raise
-            except EtcdError as exc:
-                self._client.check_reachable()
-                last_error = f"; last etcd error: {exc}"
-            now = time.monotonic()
-            if now >= deadline:
-                raise dist.DistStoreError(
-                    f"etcd store {self._prefix!r} at {self._client.endpoint}: {what} timed out after {limit:g} s{last_error}"
-                )
-            time.sleep(min(backoff, deadline - now))
-            backoff = min(_MAX_BACKOFF_S, backoff * 2)
+        bound = limit if limit > 0 else math.inf
+        last_error = ""
+
+        def not_yet(exc: BaseException) -> bool:
+            nonlocal last_error
+            if isinstance(exc, EtcdAuthError) or not isinstance(exc, EtcdError):
+                return False
+            self._client.check_reachable()
+            last_error = f"; last etcd error: {exc}"
+            return True
+
+        def timed_out(retry_state: RetryCallState) -> NoReturn:
+            raise dist.DistStoreError(
+                f"etcd store {self._prefix!r} at {self._client.endpoint}: {what} timed out after {limit:g} s{last_error}"
+            )
+
+        return Retrying(
+            retry=retry_if_result(lambda result: result is None) | retry_if_exception(not_yet),
+            stop=stop_after_delay(bound),
+            # the last sleep ends at the deadline, for one more attempt there
+            wait=lambda retry_state: min(_BACKOFF(retry_state), bound - retry_state.seconds_since_start),
+            retry_error_callback=timed_out,
+        )(attempt)
 
     def _replace(self, key: str, mod_revision: int, value: bytes) -> bool:
         """Write `value` if the key is unchanged since `mod_revision` (0: still absent)."""
