@@ -70,10 +70,14 @@ def test_instances_of_two_processes_are_preempted_whole_and_train_the_uninterrup
             assert instance_of.setdefault(worker, instance) == instance, f"worker id {worker} reused"
     # Notices were answered by plans; those that moved state did it within the grace
     # period. (Which instances are preempted depends on which had come up: when no other
-    # can take the state, the answer is a save-and-exit, which changes no layout.)
+    # can take the state, the answer is a save-and-exit, which changes no layout.) A plan
+    # published less than a grace period before the replay ended may not have finished:
+    # the replay's clock starts at most when the first plan's change ended.
     answered = [p for p in plans if "notice from workers" in p.reason]
     assert answered, [p.reason for p in plans]
-    moved = {p.generation for p in answered if p.kind not in ("restart", SAVE_AND_EXIT)}
+    start = plans[0].time - next(c["at_seconds"] for c in summary["changes"] if c["generation"] == plans[0].generation)
+    moved = {p.generation for p in answered if p.kind not in ("restart", SAVE_AND_EXIT)
+             and p.time - start + 8 <= summary["wall_seconds"]}
     notices = [c for c in summary["changes"] if c["generation"] in moved]
     assert (notices or not moved) and all(c["seconds"] is not None and c["seconds"] < 8 for c in notices), notices
 
