@@ -98,7 +98,11 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                 result = runtime.train_step(dataset, progress, logged or charted)
                 progress.iteration += 1  # the step is applied: what fails from here on keeps it
                 progress.consumed_samples += args.global_batch_size
-                hook.trained(progress.consumed_samples)
+                failed = None  # a peer failure in the hook's agreement: the step is still reported
+                try:
+                    hook.trained(progress.consumed_samples)
+                except RuntimeError as exc:
+                    failed = exc
                 window_iters += 1
                 window_skipped += result.skipped
                 if logged or charted:
@@ -120,6 +124,8 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                             metrics.iteration(iteration, tp, pp, dp)
                     if logged:
                         window_start, window_iters, window_skipped = time.perf_counter(), 0, 0
+                if failed is not None:
+                    raise failed
                 if valid_dataset is not None and progress.iteration % args.eval_interval == 0:
                     eval_start = time.perf_counter()
                     valid_losses = runtime.evaluate(valid_dataset, progress.iteration)
