@@ -31,6 +31,9 @@ from helpers import REPO, wait_for
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 FAILURE_BUDGET_S = 10.0
+# An unreachable etcd is given up after the client's 5 s connect timeout, well before the
+# 60 s outage bound; process start-up under three test processes on 2 cores takes up to 5 s more.
+UNREACHABLE_BUDGET_S = 20.0
 WORKER = [sys.executable, "scripts/pretrain_gpt.py", "--config", "configs/gpt-tiny.yaml", "--parcae"]
 PARCAE = [sys.executable, "-m", "megatron_parcae.cli"]
 PROFILE = REPO / "configs" / "profiles" / "gpt-tiny-cpu.json"
@@ -149,14 +152,15 @@ def three_commands(endpoint: str, job: str, config: Path, worker_flags: list[str
     ]
 
 
-def assert_failed_clearly(finished: list[Finished], code: int, *words: str) -> None:
-    """Each exited with `code` within the budget, saying `words` in one line."""
+def assert_failed_clearly(finished: list[Finished], code: int, *words: str,
+                          budget: float = FAILURE_BUDGET_S) -> None:
+    """Each exited with `code` within `budget` seconds, saying `words` in one line."""
     for f in finished:
         assert f.returncode == code, f"{f.name}: exit {f.returncode}, expected {code}:\n{f.stderr[-3000:]}"
         line = f.error_line()
         for word in words:
             assert word in line, f"{word!r} not in {line!r}"
-        assert f.seconds < FAILURE_BUDGET_S, f"{f.name} took {f.seconds:.1f} s to fail: {line}"
+        assert f.seconds < budget, f"{f.name} took {f.seconds:.1f} s to fail: {line}"
 
 
 # -- 1. etcd unreachable ---------------------------------------------------------------
@@ -166,7 +170,8 @@ def assert_failed_clearly(finished: list[Finished], code: int, *words: str) -> N
 def test_unreachable_etcd_fails_fast_with_the_endpoint(coordinator_config):
     endpoint, job = f"127.0.0.1:{closed_port()}", job_name()
     finished = run_each(*three_commands(endpoint, job, coordinator_config, [], []))
-    assert_failed_clearly(finished, 1, f"cannot connect to etcd at {endpoint}", "is etcd running there")
+    assert_failed_clearly(finished, 1, f"cannot connect to etcd at {endpoint}", "is etcd running there",
+                          budget=UNREACHABLE_BUDGET_S)
     assert_nothing_left(finished, job, endpoint)
 
 
