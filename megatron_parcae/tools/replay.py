@@ -599,7 +599,7 @@ class IdealThroughput:
         self.model = build_liveput(profile, CostConstants.load(DEFAULT_CONSTANTS), lookahead=1,
                                    distributed_optimizer=False, max_workers=max_workers,
                                    gpus_per_instance=gpus_per_instance).throughput
-        self.profiled = {"T{}P{}D{}".format(p.tp, p.pp, p.dp): self.model.samples_per_second(p)
+        self.profiled = {_layout_key(p): self.model.samples_per_second(p)
                          for p in self.model.layouts()}
 
     def scale(self, summary: ReplaySummary) -> float:
@@ -614,8 +614,13 @@ class IdealThroughput:
         each layout it ran, the profile's figure times `scale` for the others. A profile's
         ranking can be wrong for this machine (the analytic prior's is on 2 cores, where 4
         processes train slower than 2): the run's own figures decide where it has them."""
-        keys = ("T{}P{}D{}".format(p.tp, p.pp, p.dp) for p in self.model.fitting(workers))
+        keys = (_layout_key(p) for p in self.model.fitting(workers))
         return max((measured.get(k) or self.profiled[k] * scale for k in keys), default=0.0)
+
+
+def _layout_key(p) -> str:
+    """How the summary names a layout: 'T1P2D4'."""
+    return f"T{p.tp}P{p.pp}D{p.dp}"
 
 
 def side_by_side(summaries: list[ReplaySummary]) -> str:
