@@ -9,28 +9,36 @@ distribution liveput would use. A binomial over the instances present would also
 the count, but Poisson is what liveput draws from, and it needs no bound: the exposure
 below already keeps every observed count possible.
 
+``ForecastRates`` puts a rate model's means into a forecast in place of the forecaster's,
+refitting the model on the availability history as it grows; the coordinator's ``rates``
+key and ``parcae simulate --rates`` choose one by name (``make_rates``).
+
 Preemptions are counted per instance that ran during the interval (those running at its
 start plus those that arrived in it: an instance can arrive and be preempted within one
 interval, so this exposure is never below the preemptions); arrivals per interval.
 
 Hours of day count from the trace's start: the trace formats keep no time zone, and
-SkyPilot's keep no clock at all. A daily cycle shows at some phase either way.
+SkyPilot's keep no clock at all. A daily cycle shows at some phase either way. The live
+coordinator's clock is its interval boundaries' Unix time, so its hours are UTC's.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import math
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from predictor.forecast import PROPHET_EPOCH, prophet_class
+from predictor.forecast import PROPHET_EPOCH, AvailabilityForecast, prophet_class
 from predictor.traces import AvailabilityTrace
 
-__all__ = ["IntervalEvents", "RateModel", "ConstantRates", "SeasonalRates", "RATE_MODELS", "poisson_log_pmf"]
+__all__ = ["IntervalEvents", "RateModel", "ConstantRates", "SeasonalRates", "RATE_MODELS", "RATES", "ForecastRates",
+           "make_rates", "poisson_log_pmf"]
 
 log = logging.getLogger(__name__)
 
@@ -218,3 +226,56 @@ def _prophet_daily(clock_hours: np.ndarray, rates: np.ndarray) -> np.ndarray:
 
 
 RATE_MODELS: tuple[type[RateModel], ...] = (SeasonalRates, ConstantRates)
+
+RATES: tuple[str, ...] = ("none", *(model.name for model in RATE_MODELS))
+"""What a config or flag may name: "none" keeps the forecaster's expected events."""
+
+
+class ForecastRates:
+    """A forecast's expected preemptions and arrivals from a rate model, in place of the
+    forecaster's (liveput draws each coming interval's preemptions around them); the
+    forecast's counts stay the forecaster's.
+
+    The history is one row per interval, [instances, preemptions, arrivals] as a
+    forecaster observes them (the events at the interval's start), the last one starting
+    at ``last_start`` seconds of a clock whose hour of day the seasonal model learns (a
+    trace's, or the coordinator's boundaries). At the first forecast of every hour of that
+    clock the model is refitted on the whole history (a Prophet fit each interval would
+    cost more than the decision), first once the history spans an hour: on fewer
+    intervals the rates' prior of half an event would outweigh the evidence, and the
+    forecaster's expectations stand.
+    """
+
+    def __init__(self, model: RateModel):
+        self.model = model
+        self._fitted: float | None = None  # the clock hour of the last fit
+
+    def apply(self, forecast: AvailabilityForecast, history: Sequence[Sequence[int]] | np.ndarray,
+              last_start: float) -> AvailabilityForecast:
+        """``forecast`` of the intervals after the history's last, with the model's means:
+        step i's events happen at the end of the interval starting ``i`` intervals after
+        ``last_start``, on the instances of the step before (the history's last count
+        first, then the forecast's expected counts)."""
+        interval = self.model.interval_seconds
+        if forecast.interval_seconds != interval:
+            raise ValueError(f"a forecast of {forecast.interval_seconds:g} s intervals, rates of {interval:g} s")
+        hour = last_start // _HOUR
+        if self._fitted != hour:
+            if (len(history) - 1) * interval < _HOUR:
+                return forecast
+            rows = np.asarray(history, dtype=np.int64)
+            starts = last_start - interval * np.arange(len(rows) - 1, 0, -1)
+            self.model.fit(IntervalEvents(starts, rows[:-1, 0], rows[1:, 1], rows[1:, 2]))
+            self._fitted = hour
+        starts = last_start + interval * np.arange(forecast.horizon)
+        instances = np.concatenate(([history[-1][0]], forecast.expected[:-1]))
+        preemptions, arrivals = self.model.expected(starts, instances)
+        return dataclasses.replace(forecast, preemptions=preemptions, arrivals=arrivals)
+
+
+def make_rates(name: str, interval_seconds: float) -> ForecastRates | None:
+    """The rates a config or flag names (``RATES``); None for "none"."""
+    if name not in RATES:
+        raise ValueError(f"unknown rate model {name!r}; known: {', '.join(RATES)}")
+    models = {model.name: model for model in RATE_MODELS}
+    return None if name == "none" else ForecastRates(models[name](interval_seconds))

@@ -144,6 +144,7 @@ def test_simulate_plot(tmp_path, capsys):
     (["--trace", P3, "--profile", GPT, "--start-hour", "20", "--end-hour", "21"], "select no interval"),
     (["--trace", P3, "--profile", GPT, "--lookahead", "0"], "--lookahead must be at least 1"),
     (["--trace", P3, "--profile", GPT, "--draws", "0"], "--draws must be at least 1"),
+    (["--trace", P3, "--profile", GPT, "--policies", "ideal", "--rates", "constant"], "add parcae to --policies"),
     (["--trace", P3, "--profile", GPT, "--model", "gpt-175b"], "no shape for model 'gpt-175b'"),
     (["--trace", P3, "--profile", str(helpers.REPO / "configs/profiles/gpt-1.5b-h100-tp.json"),
       "--gpus-per-instance", "4", "--cost-model", "parcae"], "no tensor parallelism"),
@@ -152,6 +153,26 @@ def test_simulate_errors_are_clear(capsys, args, message):
     assert main(["simulate", *args]) == 2
     err = capsys.readouterr().err
     assert "parcae simulate: error:" in err and message in err and "Traceback" not in err
+
+
+def test_rates_give_the_parcae_policy_a_rate_models_expected_preemptions(capsys):
+    """On a day of gcp-a100 history (under two days: hour-of-day means, no Prophet fit)."""
+    gcp = str(helpers.TRACES / "gcp-a100" / "a100x1-east1b.txt")
+    replay = Replay.load(gcp, 60.0, 24, 24.5)
+    feeds = {rates: simulate.ForecasterFeed(replay, rates) for rates in ("none", "seasonal")}
+    expected = {rates: np.array([feed.after(i, 3).preemptions for i in range(replay.intervals)])
+                for rates, feed in feeds.items()}
+    assert not np.allclose(expected["none"], expected["seasonal"])
+    counts = [[f.after(i, 3).expected for i in range(replay.intervals)] for f in feeds.values()]
+    assert np.array_equal(*counts)  # the counts stay the forecaster's
+    args = ["simulate", "--trace", gcp, "--start-hour", "24", "--end-hour", "24.5", "--profile", GPT,
+            "--policies", "ideal,parcae", "--lookahead", "4", "--json"]
+    assert main([*args, "--rates", "seasonal"]) == 0
+    policies = json.loads(capsys.readouterr().out)["policies"]
+    assert 0 < policies["parcae"]["ratio_to_ideal"] <= 1.0
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--rates", "hourly"])
+    assert exit_.value.code == 2 and "invalid choice: 'hourly'" in capsys.readouterr().err
 
 
 def test_cycled_trace_wraps_with_events(tmp_path):

@@ -19,7 +19,9 @@ at the interval's end carries into the next. Policies:
   overlapped as Parcae's simulator does (`MigrationCostModel.reactive_restart_cost`; a
   change while a restart is under way pays the new one plus another restart);
 - `parcae`: the liveput optimizer with the predictor's default forecaster, which has
-  seen the trace up to now (history before the replayed segment included);
+  seen the trace up to now (history before the replayed segment included); `--rates`
+  takes its expected preemptions from a rate model fitted on that history instead
+  (`predictor.rates.ForecastRates`, as the coordinator's `rates` key);
 - `parcae-oracle`: the liveput optimizer told the true future counts and preemptions.
 
 Every instance of the cluster is paid for whether a policy uses it or not: spot
@@ -46,6 +48,7 @@ import numpy as np
 from megatron_parcae.liveput.cost import COST_MODELS, DEFAULT_CONSTANTS, CostConstants
 from megatron_parcae.liveput.factory import LiveputStack, build_liveput
 from predictor.forecast import AvailabilityForecast, make_forecaster
+from predictor.rates import RATES, make_rates
 from predictor.traces import AvailabilityTrace
 from reconfig.layout import Layout, Parallelism
 from reconfig.placement import MAX_GPUS_PER_INSTANCE, Placement
@@ -278,12 +281,15 @@ class OracleForecasts:
 
 
 class ForecasterFeed:
-    """The predictor's default forecaster, fed the trace up to the current interval; its
+    """The predictor's default forecaster, fed the trace up to the current interval, its
+    expected events a rate model's when `rates` names one (`predictor.rates.RATES`); its
     forecasts are kept, so simulations of one replay share them."""
 
-    def __init__(self, replay: Replay):
+    def __init__(self, replay: Replay, rates: str = "none"):
         self.replay = replay
         self.forecaster = make_forecaster("default", replay.interval_seconds)
+        self.rates = make_rates(rates, replay.interval_seconds)
+        self._rows = np.column_stack((replay.counts, replay.preemptions, replay.arrivals))
         self._forecasts: list[AvailabilityForecast | None] = []
         self._horizon: int | None = None
         for i in range(replay.start):
@@ -299,8 +305,12 @@ class ForecasterFeed:
             raise ValueError(f"this feed forecasts {self._horizon} intervals, not {horizon}")
         self._horizon = horizon
         while len(self._forecasts) <= i:
-            self._observe(self.replay.start + len(self._forecasts))
-            self._forecasts.append(self.forecaster.forecast(horizon) if horizon else None)
+            last = self.replay.start + len(self._forecasts)
+            self._observe(last)
+            forecast = self.forecaster.forecast(horizon) if horizon else None
+            if forecast is not None and self.rates is not None:  # interval `last` starts at last x interval
+                forecast = self.rates.apply(forecast, self._rows[:last + 1], last * self.replay.interval_seconds)
+            self._forecasts.append(forecast)
         return self._forecasts[i]
 
 
@@ -390,6 +400,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs (workers) of one instance: the trace counts instances, a preemption takes G "
                              "workers, tensor parallelism stays inside an instance (T divides G)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of: {', '.join(POLICIES)}")
+    parser.add_argument("--rates", choices=RATES, default="none",
+                        help="the parcae policy's expected preemptions and arrivals per interval: the forecaster's "
+                             "(none), or a rate model's fitted on the trace so far, constant or seasonal (by hour of "
+                             "day), as the coordinator's rates key")
     parser.add_argument("--seed", type=int, default=0, help="seed of which instances a preemption hits")
     parser.add_argument("--draws", type=int, default=1,
                         help="replay this many draws of which instances preemptions hit (seeds --seed, --seed + 1, "
@@ -434,8 +448,10 @@ def run(args: argparse.Namespace) -> int:
                              f"known: {', '.join(POLICIES)}")
         if args.draws < 1:
             raise ValueError(f"--draws must be at least 1, got {args.draws}")
+        if args.rates != "none" and "parcae" not in policies:
+            raise ValueError("--rates changes the parcae policy's forecasts: add parcae to --policies")
         replay, liveput = build(args)
-        feed = ForecasterFeed(replay) if "parcae" in policies else None
+        feed = ForecasterFeed(replay, args.rates) if "parcae" in policies else None
         sims = [Simulation(replay, liveput, args.seed + k, args.on_demand, args.spot_price, args.on_demand_price,
                            feed) for k in range(args.draws)]
     except (ValueError, OSError) as exc:
