@@ -42,6 +42,7 @@ from megatron_parcae.control.etcd.keys import (
     TRAIN,
     ChangeReport,
     MemberRecord,
+    NetworkRecord,
     NoticeRecord,
     ProgressRecord,
     StepReport,
@@ -163,6 +164,43 @@ def test_change_reports_are_written_by_members_and_only_the_newest_kept(client):
     client.put(store.keys.change(41), ChangeReport(**CHANGE).encode())
     with pytest.raises(SchemaError, match="generation 4 does not match the key"):
         store.change_reports()
+
+
+NETWORK = {"generation": 1, "instance": "node-a", "peer_instance": "node-b", "message_bytes": 4194304,
+           "latency_seconds": 5e-5, "bytes_per_second": 1.1e9, "measured_at": 1.7e9}
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"peer_instance": "node-a"}, "measured inside instance node-a, not between two"),
+    ({"bytes_per_second": 0}, "bytes_per_second: value 0.0 outside"),
+    ({"bytes_per_second": "1e9"}, "bytes_per_second: expected float, got str"),
+    ({"latency_seconds": -1e-6}, "latency_seconds: value -1e-06 outside"),
+    ({"message_bytes": 4.5}, "message_bytes: expected int, got float"),
+    ({"generation": 0}, "generation: value 0 outside"),
+    ({"instance": ""}, "instance: length 0 outside"),
+    ({"gbps": 8.8}, "unknown keys ['gbps']"),
+])
+def test_a_network_record_is_validated(change, why):
+    """The network the workers measured between two instances, as the coordinator reads it."""
+    assert NetworkRecord.decode(json.dumps(NETWORK).encode(), "good") == NetworkRecord(**NETWORK)
+    with pytest.raises(SchemaError) as info:
+        NetworkRecord.decode(json.dumps({**NETWORK, **change}).encode(), "/parcae/j/network")
+    assert why in str(info.value) and "/parcae/j/network" in str(info.value)
+    for bad in (b"not json", json.dumps(NETWORK).replace("1100000000.0", "Infinity").encode()):
+        with pytest.raises(SchemaError, match="not valid JSON"):
+            NetworkRecord.decode(bad, "/parcae/j/network")
+
+
+def test_the_first_network_record_stays_and_a_bad_one_is_refused(client):
+    store = JobStore(client, new_job())
+    assert store.network() is None
+    first = NetworkRecord(**NETWORK)
+    assert store.publish_network(first)
+    assert not store.publish_network(NetworkRecord(**{**NETWORK, "bytes_per_second": 2e9}))
+    assert store.network() == first
+    client.put(store.keys.network, json.dumps({**NETWORK, "bytes_per_second": -1}).encode())
+    with pytest.raises(SchemaError, match="bytes_per_second: value -1.0 outside"):
+        store.network()
 
 
 def test_save_and_exit_plans_are_checked_and_older_records_still_load(client):

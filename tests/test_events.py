@@ -17,6 +17,7 @@ from megatron_parcae.events import (
     LayoutChange,
     Load,
     MigrationCostLearned,
+    NetworkMeasured,
     PlanPublished,
     Save,
     read_events,
@@ -29,7 +30,9 @@ MIGRATION = LayoutChange(3, 12, "pipeline", 1, 4, 1, 0.2345, 1_048_576, 9, 812.4
 RESTART = LayoutChange(4, 10, "restart", 2, 2, 1, 3.5, source="/ckpt", lost_steps=2, time=1.0e9 + 2)
 ALL = [ITERATION, MIGRATION, RESTART, Save(12, "/ckpt", time=1.0e9 + 3), Load(10, "/ckpt", time=1.0e9 + 4),
        PlanPublished(5, "tensor", 2, 1, 2, (3, 1, 4, 0), 1.25, "lost workers [2]", (2,), (), time=1.0e9 + 5),
-       MigrationCostLearned(5, "tensor", 3, 2.5, 1.25, 2.25, 1.25, time=1.0e9 + 6)]
+       MigrationCostLearned(5, "tensor", 3, 2.5, 1.25, 2.25, 1.25, time=1.0e9 + 6),
+       NetworkMeasured(1, ("node-a", "node-b"), 5e-5, 1.1e9, 1.1e9, 1.25e9, 1.0999e9, 8.96e8, time=1.0e9 + 7),
+       NetworkMeasured(1, ("node-a", "node-b"), 5e-5, 1.1e9, None, None, 1.0999e9, 8.96e8, time=1.0e9 + 8)]
 
 
 @pytest.fixture
@@ -43,7 +46,8 @@ def test_every_kind_round_trips(path):
         writer.write(event)
     assert read_events(path) == ALL
     assert [json.loads(line)["event"] for line in path.read_text().splitlines()] == [
-        "iteration", "layout_change", "layout_change", "save", "load", "plan_published", "migration_cost_learned"]
+        "iteration", "layout_change", "layout_change", "save", "load", "plan_published", "migration_cost_learned",
+        "network_measured", "network_measured"]
 
 
 def test_writer_without_a_path_writes_nothing(tmp_path):

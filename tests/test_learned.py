@@ -8,7 +8,7 @@ import pytest
 
 from megatron_parcae.liveput.analytic import DeviceRates, analytic_profile, layer_matmul_flops
 from megatron_parcae.liveput.learned import UNSEEN_SPREAD, ThroughputLearner
-from megatron_parcae.liveput.throughput import PipelineModel
+from megatron_parcae.liveput.throughput import OnInstances, PipelineModel
 from reconfig.layout import ModelShape
 
 SHAPE = ModelShape("gpt", 4, 128, 4, 512, 384, 64)
@@ -89,3 +89,25 @@ def test_reports_of_layouts_the_prior_cannot_run_or_nonsense_are_ignored():
     for bad in (0.0, -1.0, math.inf, math.nan):
         learner.observe(ran, bad)
     assert learner.estimates() == []
+
+
+def test_a_measured_network_reprices_the_prior_and_the_reports_correct_the_new_one():
+    """The coordinator swaps the prior's link for the one the workers measured: layouts
+    that talk over it get faster, the others stay, and the step reports already kept now
+    correct the new prior (a layout that ran keeps its own median)."""
+    prior = OnInstances(_prior(), 1)
+    learner = ThroughputLearner(prior)
+    ran = next(p for p in prior.layouts() if p.dp == 2 and p.pp == 1)
+    alone = next(p for p in prior.layouts() if p.world_size == 1)
+    measured = 3.0 * 32 / prior.samples_per_second(ran)
+    learner.observe(ran, measured)
+    faster = learner.prior.with_link(1e11)
+    assert faster.link_bytes_per_second == 1e11 and prior.link_bytes_per_second == 1e9
+    assert faster.layouts() == prior.layouts()
+    assert faster.samples_per_second(ran) > prior.samples_per_second(ran)
+    assert faster.samples_per_second(alone) == prior.samples_per_second(alone)
+    model = learner.reprice(faster)
+    assert learner.prior is faster and model.link_bytes_per_second == 1e11
+    assert model.iteration_seconds(ran) == pytest.approx(measured)
+    assert model.correction == pytest.approx(measured * faster.samples_per_second(ran) / 32)
+    assert learner.replan() is None  # the optimizer plans with the model reprice gave

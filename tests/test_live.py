@@ -7,7 +7,9 @@ import signal
 
 from collective_probe import read_findings
 from helpers import ITERS, assert_close, trained_losses, wait_for, worker_events
-from megatron_parcae.events import Iteration, LayoutChange, MigrationCostLearned, read_events
+import pytest
+
+from megatron_parcae.events import Iteration, LayoutChange, MigrationCostLearned, NetworkMeasured, read_events
 
 def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted):
     store, coordinator, worker, logs = live_job
@@ -58,3 +60,31 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     # that no collective broke the planes).
     sites, _ = read_findings(logs / "probe")
     assert ("megatron_parcae/training/hooks/live.py:_agree:all_reduce", "control") in sites, sites
+
+
+def test_the_first_layout_on_two_instances_measures_the_network_the_coordinator_plans_with(live_job):
+    store, coordinator, worker, logs = live_job
+    # With 10 s intervals the first plan starts on both workers (two instances, as each
+    # process started without torchrun is one), rather than on one that grows to two.
+    config = logs / "coordinator.yaml"
+    config.write_text(config.read_text().replace("interval-seconds: 2\n", "interval-seconds: 10\n"))
+    coordinator("a")
+    for w in (0, 1):
+        worker(w)
+    network = wait_for(store.network, 180, "the workers' network record")
+    assert network.generation == 1 and network.instance != network.peer_instance
+    events = logs / "coordinator-a.events.jsonl"
+    (measured,) = wait_for(lambda: [e for e in read_events(events) if isinstance(e, NetworkMeasured)]
+                           if events.exists() else [], 30, "the coordinator to plan with the network")
+    # Its throughput prior's link and its cost model's messages between instances now
+    # take the measured rate, where the profile and the cost constants assumed others.
+    assert (measured.bytes_per_second, measured.latency_seconds) == (network.bytes_per_second, network.latency_seconds)
+    assert (measured.link_bytes_per_second, measured.prior_link_bytes_per_second) == (network.bytes_per_second, 1.25e9)
+    assert measured.transfer_bytes_per_second == pytest.approx(
+        2**30 / (network.latency_seconds + 2**30 / network.bytes_per_second))
+    assert measured.prior_transfer_bytes_per_second == pytest.approx(2**30 / 1198255.9e-6)  # the p2p table's
+    # Rank 0 told the other rank on the control plane; the two measured on the data plane.
+    sites, _ = read_findings(logs / "probe")
+    assert {("megatron_parcae/training/network.py:measure_network:broadcast", "control"),
+            ("megatron_parcae/training/network.py:_round_trip:send", "data"),
+            ("megatron_parcae/training/network.py:_round_trip:recv", "data")} <= sites, sites

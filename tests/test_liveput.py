@@ -159,6 +159,19 @@ def test_cost_constants_validate_and_interpolate(tmp_path):
         CostConstants.load(path)
 
 
+def test_a_measured_network_times_messages_between_instances_and_leaves_a_table_be():
+    """The network the workers measured replaces the p2p table: each message takes the
+    latency plus its bytes at the rate, at every size a change sends; a throughput table,
+    measured on its own network, has no link to replace."""
+    measured = CONSTANTS.on_network(2e-4, 5e8)
+    for nbytes in (1, 4096, 2**20, 2**30, 2**42):
+        assert measured.transfer_seconds(nbytes) == pytest.approx(2e-4 + nbytes / 5e8, rel=1e-6)
+    assert measured.transfer_seconds(0) == 0.0
+    assert dataclasses.replace(measured, p2p_bytes=CONSTANTS.p2p_bytes, p2p_seconds=CONSTANTS.p2p_seconds) == CONSTANTS
+    table = tiny_table()
+    assert table.with_link(1e6) is table and table.link_bytes_per_second is None
+
+
 def gpt_layout(tp: int, pp: int, dp: int) -> Layout:
     p = Parallelism(tp, pp, dp, balanced_partition(48, pp))
     return Layout(p, tuple(range(p.world_size)))

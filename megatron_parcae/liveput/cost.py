@@ -29,7 +29,8 @@ planner's `MigrationPlan` says who moves which bytes, and the time is
   slowest counts;
 - state transfer: a byte between two instances crosses the network, where each
   instance's NIC carries what its workers send and what they receive (full duplex),
-  timed by the measured p2p table (`p2p_bytes_to_microseconds`); a byte between two
+  timed by the measured p2p table (`p2p_bytes_to_microseconds`), or by the network the
+  job's workers measure at its start (`CostConstants.on_network`); a byte between two
   workers of one instance (the plan's `placement` says which) crosses the instance's own
   GPU links (NVLink or PCIe), `intra_instance_bytes_per_second` for what each worker
   sends and for what it receives. Both kinds run side by side: the busiest NIC or GPU
@@ -166,6 +167,14 @@ class CostConstants:
         except KeyError:
             known = ", ".join(sorted(self.models)) or "none"
             raise CostConstantsError(f"no model shape named {name!r} in the cost constants (known: {known})") from None
+
+    def on_network(self, latency_seconds: float, bytes_per_second: float) -> CostConstants:
+        """These constants on a network measured between the job's instances: the p2p table
+        becomes a message's latency plus its bytes at the measured rate (two points, from
+        one byte to a tebibyte, so `transfer_seconds` interpolates that line)."""
+        sizes = (1, 2**40)
+        return dataclasses.replace(self, p2p_bytes=sizes,
+                                   p2p_seconds=tuple(latency_seconds + n / bytes_per_second for n in sizes))
 
     def intra_instance_seconds(self, nbytes: float) -> float:
         """Time to move `nbytes` between two GPUs of one instance."""

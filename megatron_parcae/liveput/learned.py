@@ -36,6 +36,7 @@ class LearnedModel(ThroughputModel):
                  spread: float = 0.0):
         self.prior = prior
         self.model, self.global_batch_size, self.model_shape = prior.model, prior.global_batch_size, prior.model_shape
+        self.link_bytes_per_second = prior.link_bytes_per_second
         self._measured = dict(measured)
         self.correction = correction
         self.spread = spread  # discount of an unseen layout, as a log ratio
@@ -98,6 +99,14 @@ class ThroughputLearner:
         spread = statistics.stdev(ratios) if len(ratios) > 1 else UNSEEN_SPREAD
         return LearnedModel(self.prior, {e.layout: e.measured_seconds for e in estimates},
                             math.exp(statistics.fmean(ratios)), spread)
+
+    def reprice(self, prior: ThroughputModel) -> LearnedModel:
+        """Take `prior` (the same layouts, priced anew: the network was measured) and
+        return what is learned of it: the reports kept correct it instead. The optimizer
+        plans with the model returned."""
+        self.prior = prior
+        self._planned_with = self.model()
+        return self._planned_with
 
     def replan(self) -> LearnedModel | None:
         """A new model when some price moved by more than CHANGE_TO_REPLAN since the model

@@ -77,6 +77,12 @@ class ThroughputModel(abc.ABC):
     model: str
     global_batch_size: int
     model_shape: ModelShape
+    link_bytes_per_second: float | None = None  # between workers, as priced; None: a table measured its own
+
+    def with_link(self, bytes_per_second: float) -> ThroughputModel:
+        """This model with the network between workers measured at `bytes_per_second`; a
+        table's throughputs were measured on its own network and stay."""
+        return self
 
     @abc.abstractmethod
     def layouts(self) -> tuple[Parallelism, ...]:
@@ -254,6 +260,7 @@ class PipelineModel(ThroughputModel):
         except (ValueError, TypeError) as exc:
             raise ProfileError(f"{where}: model_shape: {exc}") from None
         self.model = str(profile.get("model", "model"))
+        self._profile, self._source = profile, source
         self.micro_batch_size = _integer(where, profile, "micro_batch_size")
         self.global_batch_size = _integer(where, profile, "global_batch_size")
         self.gpu_memory_bytes = _number(where, profile, "gpu_memory_bytes", positive=True)
@@ -283,6 +290,10 @@ class PipelineModel(ThroughputModel):
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ProfileError(f"{path}: not JSON: {exc}") from None
         return cls(profile, max_workers, str(path))
+
+    def with_link(self, bytes_per_second: float) -> PipelineModel:
+        return PipelineModel({**self._profile, "link_bytes_per_second": bytes_per_second}, self._max_workers,
+                             self._source)
 
     def _stage_params(self, parallelism: Parallelism, stage: int, tp: int) -> float:
         """Parameters one rank of `stage` holds at tensor-parallel size `tp`."""
@@ -364,8 +375,12 @@ class _Subset(ThroughputModel):
     def __init__(self, base: ThroughputModel, layouts: tuple[Parallelism, ...]):
         self.base = base
         self.model, self.global_batch_size, self.model_shape = base.model, base.global_batch_size, base.model_shape
+        self.link_bytes_per_second = base.link_bytes_per_second
         self._layouts = layouts
         self._fits = frozenset(layouts)
+
+    def with_link(self, bytes_per_second: float) -> ThroughputModel:
+        return _Subset(self.base.with_link(bytes_per_second), self._layouts)  # the link decides no layout's fit
 
     def layouts(self) -> tuple[Parallelism, ...]:
         return self._layouts
