@@ -13,6 +13,11 @@ every --save-interval iterations. While it trains:
   at a random moment, at the latest a quarter (the coordinator) or half (etcd) of the way
   through training: a run that trains fast still sees both.
 
+Runs alternate between Adam's state whole on every worker and the distributed optimizer's
+(`--use-distributed-optimizer`: each worker holds only its shard of the moments), unless
+--optimizer picks one. Workers keep snapshots with buddy copies every --copy-interval steps
+(reconfig/copies.py).
+
 Then it checks what acceptance 1 of issue 7 asks:
 - every run finishes, having had its coordinator and etcd restarts;
 - the consumed-sample log: each logged iteration consumed exactly its own samples, none
@@ -23,8 +28,8 @@ Then it checks what acceptance 1 of issue 7 asks:
   reported beside them, with the same figures for two uninterrupted runs on 1 and 2
   processes (the float noise any layout change brings).
 The JSON has, per run and in total, the kills, kills during migrations and at
-checkpoints, recoveries in place, checkpoint fallbacks and lost steps. Exits 1 when a
-run fails a check.
+checkpoints, recoveries (in place, from the survivors' state or from snapshots and their
+buddy copies; or from the checkpoint) and lost steps. Exits 1 when a run fails a check.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class RunReport:
 
     run: int
     workers: int
+    distributed_optimizer: bool = False
     finished: bool = False
     error: str | None = None
     wall_seconds: float = 0.0
@@ -65,7 +71,9 @@ class RunReport:
     kills_at_checkpoint: int = 0
     coordinator_restarts: int = 0
     etcd_restarts: int = 0
-    recoveries_in_place: int = 0
+    recoveries_in_place: int = 0  # from replicas or copies
+    recoveries_from_replicas: int = 0  # the survivors held the lost state
+    recoveries_from_copies: int = 0  # rolled back to snapshots, the lost state from buddies
     checkpoint_fallbacks: int = 0
     lost_steps: int = 0
     trained_samples: int = 0  # consumed less fp16's skipped steps
@@ -183,23 +191,21 @@ class Chaos:
         return True
 
 
-def recoveries(workdir: Path, log: JobLog) -> tuple[int, int]:
-    """(in place, from a checkpoint): the applied plans the coordinators published for lost workers."""
+def recoveries(workdir: Path, log: JobLog) -> dict[str, int]:
+    """The applied plans the coordinators published for lost workers, by where their state
+    came from (PlanPublished.RECOVERIES)."""
     applied = {c["generation"] for c in log.changes}
-    in_place = fallback = 0
+    found = dict.fromkeys(PlanPublished.RECOVERIES, 0)
     for path in workdir.glob("coordinator-*.events.jsonl"):
         for plan in read_events(path):
-            if isinstance(plan, PlanPublished) and plan.generation in applied and (plan.lost or plan.broken):
-                if plan.kind == "restart":
-                    fallback += 1
-                else:
-                    in_place += 1
-    return in_place, fallback
+            if isinstance(plan, PlanPublished) and plan.generation in applied and plan.recovery:
+                found[plan.recovery] += 1
+    return found
 
 
 def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], iterations: int,
               global_batch: int, save_interval: int, max_kills: int, reference: dict[str, dict]) -> RunReport:
-    report = RunReport(index, rng.randint(4, 6))
+    report = RunReport(index, rng.randint(4, 6), "--use-distributed-optimizer" in flags)
     fresh_workdir(workdir)
     save = workdir / "checkpoints"
     job = ParcaeJob(SCRIPT, [*flags, "--save", str(save), "--save-interval", str(save_interval), "--async-save"], workdir,
@@ -225,7 +231,10 @@ def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], i
         report.wall_seconds = round(time.monotonic() - started, 1)
     report.lost_steps = job.log.lost_steps
     report.trained_samples = job.log.trained_samples
-    report.recoveries_in_place, report.checkpoint_fallbacks = recoveries(workdir, job.log)
+    found = recoveries(workdir, job.log)
+    report.recoveries_from_replicas, report.recoveries_from_copies = found["replicas"], found["copies"]
+    report.recoveries_in_place = found["replicas"] + found["copies"]
+    report.checkpoint_fallbacks = found["checkpoint"]
     report.sample_problems, report.repeated_iterations = check_samples(job.log.trained, global_batch, iterations,
                                                                        report.lost_steps)
     if report.finished:
@@ -253,12 +262,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=40, help="training iterations of each run")
     parser.add_argument("--save-interval", type=int, default=10, help="checkpoint interval (iterations)")
     parser.add_argument("--kills", type=int, default=3, help="SIGKILLs of workers in each run")
+    parser.add_argument("--optimizer", choices=("alternate", "plain", "distributed"), default="alternate",
+                        help="Adam's state whole on every worker (plain), sharded over data parallelism "
+                             "(--use-distributed-optimizer), or the two in turn (default)")
+    parser.add_argument("--copy-interval", type=int, default=10,
+                        help="the workers' --parcae-copy-interval (0: no snapshots)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("chaos"))
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.iterations < 1 or args.save_interval < 1 or args.kills < 0:
-        parser.error("--runs, --iterations and --save-interval must be positive, --kills at least 0")
+    if args.runs < 1 or args.iterations < 1 or args.save_interval < 1 or args.kills < 0 or args.copy_interval < 0:
+        parser.error("--runs, --iterations and --save-interval must be positive, --kills and --copy-interval at "
+                     "least 0")
     flags = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(args.iterations), "--lr", "3e-4",
              "--min-lr", "3e-5", "--log-interval", "1"]
     global_batch = 32  # configs/gpt-tiny.yaml
@@ -269,21 +284,31 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for index in range(args.runs):
         rng = random.Random(args.seed * 1_000_003 + index)
-        report = chaos_run(index, rng, args.workdir / f"run-{index:02d}", flags, args.iterations, global_batch,
+        distributed = args.optimizer == "distributed" or (args.optimizer == "alternate" and index % 2 == 1)
+        run_flags = [*flags, "--parcae-copy-interval", str(args.copy_interval),
+                     *(["--use-distributed-optimizer"] if distributed else [])]
+        report = chaos_run(index, rng, args.workdir / f"run-{index:02d}", run_flags, args.iterations, global_batch,
                            args.save_interval, args.kills, reference)
         reports.append(report)
-        print(f"run {index:2d}: {'ok  ' if report.passed else 'FAIL'} {report.workers} workers, {report.kills} kills "
+        print(f"run {index:2d}: {'ok  ' if report.passed else 'FAIL'} {report.workers} workers"
+              f"{', distributed optimizer' if distributed else ''}, {report.kills} kills "
               f"({report.kills_during_migration} in migrations, {report.kills_at_checkpoint} at checkpoints), "
-              f"{report.recoveries_in_place} in place, {report.checkpoint_fallbacks} from checkpoints, "
+              f"{report.recoveries_in_place} in place ({report.recoveries_from_replicas} from replicas, "
+              f"{report.recoveries_from_copies} from copies), {report.checkpoint_fallbacks} from checkpoints, "
               f"{report.lost_steps} lost steps, {report.difference}, {report.wall_seconds:.0f} s"
               + (f"; {report.error or ''} {' '.join(report.sample_problems)}" if not report.passed else ""),
               flush=True)
     totals = {key: sum(getattr(r, key) for r in reports) for key in (
         "kills", "kills_during_migration", "kills_at_checkpoint", "coordinator_restarts", "etcd_restarts",
-        "recoveries_in_place", "checkpoint_fallbacks", "lost_steps", "repeated_iterations")}
+        "recoveries_in_place", "recoveries_from_replicas", "recoveries_from_copies", "checkpoint_fallbacks",
+        "lost_steps", "repeated_iterations")}
     differences = [r.difference for r in reports if r.difference is not None]
     summary = {"runs": len(reports), "passed": sum(r.passed for r in reports),
                "finished": sum(r.finished for r in reports), **totals,
+               "in_place_share": round(totals["recoveries_in_place"]
+                                       / max(1, totals["recoveries_in_place"] + totals["checkpoint_fallbacks"]), 3),
+               "distributed_optimizer_runs": sum(r.distributed_optimizer for r in reports),
+               "copy_interval": args.copy_interval,
                "max_params_rel_diff": max((d.params for d in differences), default=None),
                "max_moments_rel_diff": max((d.moments for d in differences), default=None),
                "max_tensor_rel_diff": max((d.worst_tensor_diff for d in differences), default=None),

@@ -4,7 +4,7 @@
 Programs (the spot emulator, the benchmarks, the tests) read the events file with
 `read_events` or `EventFollower`, never the log: this module alone knows the log's
 format. `parcae coordinator --events` writes its published plans, and what it learns
-of throughput and of migration costs, the same way.
+of throughput, of migration costs and of the network, the same way.
 Free of torch, so that readers load fast.
 """
 
@@ -127,7 +127,9 @@ class LayoutChange(Event):
     `kind` is the migration's (intra-stage, inter-stage, pipeline, tensor), with the bytes
     it planned to move and, after it, the live process groups and resident memory of the
     reporting process; or "restart": built from `source` (a checkpoint directory, or "the
-    seed"), training went back `lost_steps` steps. `seconds`: from the decision until the
+    seed"), training went back `lost_steps` steps. A migration that recovered from the
+    workers' snapshots (reconfig/copies.py) names them in `source` and went back
+    `lost_steps` steps too. `seconds`: from the decision until the
     new layout could train; `phases`: the reporting process's seconds in each phase of a
     migration (reconfig/phases.py), adding up to at most `seconds` (empty for a restart).
     """
@@ -150,10 +152,12 @@ class LayoutChange(Event):
     phases: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of_migration(cls, generation: int, iteration: int, figures: ChangeFigures) -> LayoutChange:
+    def of_migration(cls, generation: int, iteration: int, figures: ChangeFigures, source: str | None = None,
+                     lost_steps: int = 0) -> LayoutChange:
         p = figures.parallelism
         return cls(generation, iteration, figures.kind, p.tp, p.pp, p.dp, figures.seconds, figures.bytes_planned,
-                   figures.process_groups, figures.resident_mib, device_peak_mib=figures.device_peak_mib,
+                   figures.process_groups, figures.resident_mib, source, lost_steps,
+                   device_peak_mib=figures.device_peak_mib,
                    steady_device_peak_mib=figures.steady_device_peak_mib, phases=dict(figures.phases))
 
     def log_line(self) -> str:
@@ -166,8 +170,29 @@ class LayoutChange(Event):
             f", device peak {self.device_peak_mib:.0f} MiB ({self.steady_device_peak_mib or 0.0:.0f} MiB before)")
         phases = "" if not self.phases else (
             " (" + ", ".join(f"{name} {seconds * 1000.0:.0f}" for name, seconds in self.phases.items()) + " ms)")
-        return (f"{head}{self.kind} migration {to}, {self.bytes_planned} bytes planned, {ms}{phases}, "
+        recovered = "" if self.source is None else f" from {self.source}, {self.lost_steps} steps lost"
+        return (f"{head}{self.kind} migration {to}{recovered}, {self.bytes_planned} bytes planned, {ms}{phases}, "
                 f"{self.process_groups} process groups, {self.resident_mib:.0f} MiB resident{device}")
+
+
+@dataclass(frozen=True)
+class CopiesKept(Event):
+    """The first snapshot of the layout of `generation` (reconfig/copies.py), at `iteration`:
+    one is taken every `interval` steps; the reporting worker holds `mib` of host memory
+    for it (its own state and, with `has_ward`, its ward's copy) and took `seconds`."""
+
+    NAME = "copies_kept"
+    generation: int
+    iteration: int
+    interval: int
+    mib: float
+    seconds: float
+    has_ward: bool
+
+    def log_line(self) -> str:
+        return (f" snapshot of generation {self.generation} at iteration {self.iteration}: {self.mib:.1f} MiB in "
+                f"host memory{' with a buddy copy' if self.has_ward else ' (no buddy on another instance)'}, "
+                f"{self.seconds * 1000.0:.0f} ms, every {self.interval} steps")
 
 
 @dataclass(frozen=True)
@@ -178,6 +203,7 @@ class PlanPublished(Event):
     was made without (lost) or whose WORLD broke under them."""
 
     NAME = "plan_published"
+    RECOVERIES = ("replicas", "copies", "checkpoint")  # the state came from live workers, snapshots, a checkpoint
     generation: int
     kind: str
     tp: int
@@ -189,6 +215,7 @@ class PlanPublished(Event):
     lost: tuple[int, ...]
     broken: tuple[int, ...]
     instances: tuple[str, ...] = ()  # of the new layout's workers, by slot
+    recovery: str = ""  # after a loss or a broken WORLD: RECOVERIES
 
 
 @dataclass(frozen=True)
@@ -226,11 +253,31 @@ class MigrationCostLearned(Event):
     prior_seconds: float
 
 
+@dataclass(frozen=True)
+class NetworkMeasured(Event):
+    """The coordinator read the network between `instances` as the workers of the layout
+    of `generation` measured it, and plans with it: `link_bytes_per_second` is what its
+    throughput model now prices pipeline and data-parallel traffic at (the profile said
+    `prior_link_bytes_per_second`; both None for a throughput table, measured on its own
+    network), `transfer_bytes_per_second` the rate its cost model now sends a GiB between
+    instances at (the cost constants said `prior_transfer_bytes_per_second`)."""
+
+    NAME = "network_measured"
+    generation: int
+    instances: tuple[str, ...]
+    latency_seconds: float
+    bytes_per_second: float
+    link_bytes_per_second: float | None
+    prior_link_bytes_per_second: float | None
+    transfer_bytes_per_second: float
+    prior_transfer_bytes_per_second: float
+
+
 KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in
-                                 (Iteration, Evaluation, Save, Load, LayoutChange, PlanPublished,
-                                  ThroughputLearned, MigrationCostLearned)}
+                                 (Iteration, Evaluation, Save, Load, LayoutChange, CopiesKept, PlanPublished,
+                                  ThroughputLearned, MigrationCostLearned, NetworkMeasured)}
 _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
-TrainingEvent = Iteration | Evaluation | Save | Load | LayoutChange
+TrainingEvent = Iteration | Evaluation | Save | Load | LayoutChange | CopiesKept
 
 
 # -- writing -------------------------------------------------------------------------
@@ -316,7 +363,8 @@ def _decode(value: object, hint: object) -> object:
             except TypeError:
                 continue
         raise TypeError
-    if (hint is type(None) and value is None) or (hint is str and isinstance(value, str)):
+    if (hint is type(None) and value is None) or (hint is str and isinstance(value, str)) \
+            or (hint is bool and isinstance(value, bool)):
         return value
     if hint in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
         if hint is float:

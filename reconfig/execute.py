@@ -168,21 +168,28 @@ def _parse_header(raw: bytes, src: int, expected: int) -> list[tuple[str, str, i
     return [tuple(e) for e in entries]
 
 
-def _exchange(plan: MigrationPlan, world: World, held: HeldState | None) -> list[_Received]:
-    """Send and receive this worker's transfers; three messages each: sizes, header, payload."""
+def _exchange(plan: MigrationPlan, world: World, held: HeldState | None,
+              copies: dict[int, HeldState]) -> list[_Received]:
+    """Send and receive this worker's transfers; three messages each: sizes, header, payload.
+    `copies`: the lost workers' states this worker holds copies of, by worker."""
     me, rank_of = world.worker, {w: r for r, w in enumerate(world.members)}
-    sends, incoming = [], []
+    sends, incoming, local = [], [], []
     for index, t in enumerate(plan.transfers):
         if t.src == me:
-            if held is None:
-                raise MigrationError(f"plan has worker {me} send {t.unit}, but it holds no state")
-            items = _outgoing(held, t)
+            source = held if t.copy_of is None else copies.get(t.copy_of)
+            if source is None:
+                whose = "" if t.copy_of is None else f" of worker {t.copy_of}'s copy"
+                raise MigrationError(f"plan has worker {me} send {t.unit}{whose}, but it holds no such state")
+            items = _outgoing(source, t)
+            if t.dst == me:  # from the copy this worker keeps of a lost peer, to itself
+                local += [_Received(n, k, t.split_range, t.shard_range, v) for n, k, v in items]
+                continue
             header = json.dumps([[n, k, v.numel()] for n, k, v in items]).encode()
             payload = planes.on_data_plane(torch.cat([v for _, _, v in items]).float())
             messages = [planes.control_tensor([len(header), payload.numel()]), planes.control_bytes(header)]
             messages += [payload] if payload.numel() else []
             sends += [dist.isend(m, rank_of[t.dst], tag=3 * index + i) for i, m in enumerate(messages)]
-        if t.dst == me:
+        if t.dst == me and t.src != me:
             sizes = planes.control_buffer(2, torch.int64)
             incoming.append((index, t, sizes, dist.irecv(sizes, rank_of[t.src], tag=3 * index)))
     bodies = []
@@ -193,7 +200,7 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None) -> list
         waits = [dist.irecv(header, rank_of[t.src], tag=3 * index + 1)]
         waits += [dist.irecv(payload, rank_of[t.src], tag=3 * index + 2)] if payload.numel() else []
         bodies.append((t, header, payload, waits))
-    received = []
+    received = local
     for t, header, payload, waits in bodies:
         for w in waits:
             w.wait()
@@ -355,6 +362,7 @@ class _ChangeRecord:
     def __init__(self) -> None:
         self.steady_mib: float | None = None
         self.seconds: dict[str, float] = {}
+        self.rolled_back_samples = 0  # a recovery from copies went back this far
         self._handed_over = False
         self._mark = time.perf_counter()
 
@@ -396,15 +404,45 @@ def hand_over(runtime: Runtime) -> HeldState:
     return held
 
 
+class Snapshots(Protocol):
+    """Where a worker keeps its snapshots of layouts (reconfig/copies.py SnapshotStore)."""
+
+    def newest(self, generation: int) -> int: ...
+
+    def restore(self, key: int) -> tuple[HeldState, dict[int, HeldState], int]: ...
+
+
+def _roll_back(plan: MigrationPlan, worker: int, snapshots: Snapshots | None,
+               consumed_samples: int) -> tuple[HeldState | None, dict[int, HeldState], int, int]:
+    """For a plan that recovers from copies (plan.Copies): (this worker's state, the copies
+    it holds, consumed samples) of the newest snapshot every holder has, and the samples
+    the job had consumed before (the most any member knew). Collective over WORLD."""
+    generation = plan.request.copies.generation
+    holder = plan.request.sender(worker) == (worker, None)  # a live worker of the snapshots' layout
+    none = 2**62
+    mine = (snapshots.newest(generation) if snapshots is not None else -1) if holder else none
+    agreed = planes.control_tensor([mine, -consumed_samples])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    key, known = int(agreed[0]), -int(agreed[1])
+    if key < 0:
+        raise MigrationError(f"a worker of generation {generation}'s layout holds no snapshot of it")
+    if not holder:
+        return None, {}, consumed_samples, known
+    held, copies, consumed_samples = snapshots.restore(key)
+    return held, copies, consumed_samples, known
+
+
 def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState | None,
-            build: RuntimeFactory, consumed_samples: int) -> tuple[Runtime | None, int]:
+            build: RuntimeFactory, consumed_samples: int,
+            snapshots: Snapshots | None = None) -> tuple[Runtime | None, int]:
     """Move this worker to `plan.new`; returns its new runtime (None: it has no slot) and
     the job's consumed samples.
 
     Called by every worker of the old layout still running, with the state it took out
     of it (`hand_over`), and every worker the plan places, with the same plan and
     generation. `held` is None for a worker that holds nothing (joining); its
-    `consumed_samples` is replaced by what the holders agree on.
+    `consumed_samples` is replaced by what the holders agree on. A plan that recovers
+    from copies takes the state from `snapshots` instead, rolled back (`_roll_back`).
     """
     _change.enter_migration()
     new_slots = plan.new.slots
@@ -415,9 +453,14 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
         return None, consumed_samples
     if world.members != members:
         world.reform(members, f"g{generation}")
+    copies: dict[int, HeldState] = {}
+    known = None
+    if plan.request.copies is not None:
+        held, copies, consumed_samples, known = _roll_back(plan, world.worker, snapshots, consumed_samples)
     counters, consumed_samples = _agree_on_progress(held, consumed_samples)
+    _change.rolled_back_samples = 0 if known is None else max(0, known - consumed_samples)
     _change.lap(phases.WORLD)
-    received = _exchange(plan, world, held)
+    received = _exchange(plan, world, held, copies)
     _change.lap(phases.EXCHANGE)
     if world.worker not in new_slots:
         world.leave()
@@ -471,10 +514,11 @@ class ChangeFigures:
     device_peak_mib: float | None  # during the change (None without a GPU)
     steady_device_peak_mib: float | None  # before it, in the old layout
     phases: dict[str, float]  # seconds of each phase (reconfig/phases.py) of this process
+    rolled_back_samples: int  # consumed samples retrained: a recovery from copies went back
 
 
 def change_figures(plan: MigrationPlan, started: float) -> ChangeFigures:
     """The figures of `plan`, applied since time.perf_counter() read `started`."""
     return ChangeFigures(plan.kind, plan.new.parallelism, plan.bytes_total(), time.perf_counter() - started,
                          live_process_groups(), resident_mib(), _change.since_begin_mib(), _change.steady_mib,
-                         dict(_change.seconds))
+                         dict(_change.seconds), _change.rolled_back_samples)

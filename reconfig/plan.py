@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -79,9 +79,44 @@ def _worker_set(where: str, value: Any) -> frozenset[int]:
 
 
 @dataclass(frozen=True)
+class Copies:
+    """Snapshots of the old layout's state in its workers' host memory (reconfig/copies.py):
+    each worker keeps its own and its ward's, taken together every few steps, and
+    `holder[w]` (on another instance) keeps worker w's. A plan recovering from them rolls
+    every survivor back to the newest snapshot of `generation` they all hold, and fills a
+    lost worker's slices from its holder."""
+
+    generation: int
+    holder: Mapping[int, int]
+
+    def __post_init__(self) -> None:
+        require_int("copies.generation", self.generation, 1)
+        if not isinstance(self.holder, Mapping):
+            raise ValueError(f"copies.holder: expected an object, got {type(self.holder).__name__}")
+        checked = {require_int("copies.holder key", w, 0): require_int(f"copies.holder[{w}]", h, 0)
+                   for w, h in self.holder.items()}
+        if any(w == h for w, h in checked.items()):
+            raise ValueError("copies.holder: a worker cannot hold its own copy")
+        object.__setattr__(self, "holder", checked)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"generation": self.generation, "holder": [[w, h] for w, h in sorted(self.holder.items())]}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Copies:
+        require_fields("copies", d, {"generation", "holder"})
+        pairs = d["holder"]
+        if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) == 2 for p in pairs):
+            raise ValueError("copies.holder: expected a list of [worker, holder] pairs")
+        return cls(d["generation"], {w: h for w, h in pairs})
+
+
+@dataclass(frozen=True)
 class MigrationRequest:
     """What happened to the old layout's workers. Old workers in no set were lost without
-    notice; workers that hold no state (new arrivals, last generation's standbys) join."""
+    notice; workers that hold no state (new arrivals, last generation's standbys) join.
+    With `copies`, the state comes from the old layout's snapshots (see Copies), not from
+    what the workers hold now."""
 
     old: Layout
     survivors: frozenset[int]
@@ -89,8 +124,11 @@ class MigrationRequest:
     joining: frozenset[int]
     distributed_optimizer: bool = False
     placement: Placement = ONE_GPU  # instances of the workers: blocks of ranks stay on one
+    copies: Copies | None = None
 
     def __post_init__(self) -> None:
+        if self.copies is not None and not isinstance(self.copies, Copies):
+            raise ValueError(f"request.copies: expected Copies, got {type(self.copies).__name__}")
         if not isinstance(self.old, Layout):
             raise ValueError(f"request.old: expected a Layout, got {type(self.old).__name__}")
         if not isinstance(self.placement, Placement):
@@ -123,13 +161,26 @@ class MigrationRequest:
     def to_dict(self) -> dict[str, Any]:
         return {"old": self.old.to_dict(), "survivors": sorted(self.survivors), "leaving": sorted(self.leaving),
                 "joining": sorted(self.joining), "distributed_optimizer": self.distributed_optimizer,
-                "placement": self.placement.to_dict()}
+                "placement": self.placement.to_dict(),
+                **({} if self.copies is None else {"copies": self.copies.to_dict()})}
 
     @classmethod
     def from_dict(cls, d: Any) -> MigrationRequest:
-        require_fields("request", d, {"old", "survivors", "leaving", "joining", "distributed_optimizer", "placement"})
+        require_fields("request", d, {"old", "survivors", "leaving", "joining", "distributed_optimizer", "placement"},
+                       frozenset({"copies"}))
+        copies = Copies.from_dict(d["copies"]) if "copies" in d else None
         return cls(Layout.from_dict(d["old"]), d["survivors"], d["leaving"], d["joining"],
-                   d["distributed_optimizer"], Placement.from_dict(d["placement"]))
+                   d["distributed_optimizer"], Placement.from_dict(d["placement"]), copies)
+
+    def sender(self, worker: int) -> tuple[int, int | None] | None:
+        """Who can send the state of the old layout's `worker`: (sender, None) for itself,
+        alive; (holder, worker) for the holder of its copy; None when it is lost."""
+        if worker in self.survivors or worker in self.leaving:
+            return worker, None
+        holder = None if self.copies is None else self.copies.holder.get(worker)
+        if holder is not None and (holder in self.survivors or holder in self.leaving):
+            return holder, worker
+        return None
 
 
 Range = tuple[Fraction, Fraction]
@@ -167,16 +218,17 @@ class Transfer:
     shard_range: Range
     replicated: bool
     nbytes: int
+    copy_of: int | None = None  # src sends from its copy of this lost worker's state
 
     def to_dict(self) -> dict[str, Any]:
         return {"src": self.src, "dst": self.dst, "unit": self.unit, "state": self.state,
                 "split_range": None if self.split_range is None else _range_to_json(self.split_range),
                 "shard_range": _range_to_json(self.shard_range), "replicated": self.replicated,
-                "nbytes": self.nbytes}
+                "nbytes": self.nbytes, **({} if self.copy_of is None else {"copy_of": self.copy_of})}
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "transfer") -> Transfer:
-        require_fields(where, d, set(cls.__dataclass_fields__))
+        require_fields(where, d, set(cls.__dataclass_fields__) - {"copy_of"}, frozenset({"copy_of"}))
         if not isinstance(d["unit"], str) or not d["unit"]:
             raise ValueError(f"{where}.unit: expected a unit name, got {d['unit']!r}")
         if d["state"] not in STATES:
@@ -188,7 +240,8 @@ class Transfer:
             raise ValueError(f"{where}: sends neither split nor replicated params")
         return cls(require_int(f"{where}.src", d["src"], 0), require_int(f"{where}.dst", d["dst"], 0), d["unit"],
                    d["state"], split, _range_from_json(f"{where}.shard_range", d["shard_range"]), d["replicated"],
-                   require_int(f"{where}.nbytes", d["nbytes"], 0))
+                   require_int(f"{where}.nbytes", d["nbytes"], 0),
+                   None if d.get("copy_of") is None else require_int(f"{where}.copy_of", d["copy_of"], 0))
 
 
 @dataclass(frozen=True)
@@ -233,6 +286,9 @@ class MigrationPlan:
                 raise ValueError(f"plan.transfers[{i}].src: worker {t.src} is neither a survivor nor leaving")
             if t.dst not in new.workers:
                 raise ValueError(f"plan.transfers[{i}].dst: worker {t.dst} has no slot in the new layout")
+            if t.copy_of is not None and request.sender(t.copy_of) != (t.src, t.copy_of):
+                raise ValueError(f"plan.transfers[{i}].copy_of: worker {t.src} holds no copy of worker {t.copy_of} "
+                                 "that the request lets it send")
         grace = any(t.src in request.leaving for t in transfers)
         if d["uses_grace_period"] is not grace:
             raise ValueError(f"plan.uses_grace_period: is {d['uses_grace_period']!r}, the transfers say {grace}")
@@ -314,10 +370,12 @@ class _Migration:
         # Class of a worker: (stage, tp, dp) of its slot; dp matters only for sharded state.
         self.old_dp_classes = self.old.dp if request.distributed_optimizer else 1
         self.new_dp_classes = new.dp if request.distributed_optimizer else 1
+        # A snapshot holds its DP column's whole state (distributed-optimizer shards gathered).
+        self.whole_over_dp = request.copies is not None
 
     def check_not_lost(self) -> None:
         old, request = self.old, self.request
-        alive = np.array([w in request.survivors or w in request.leaving for w in request.old.slots])
+        alive = np.array([request.sender(w) is not None for w in request.old.slots])
         alive = alive.reshape(old.pp, old.dp, old.tp)  # rank = t + T*(d + D*p)
         for state in self.states:
             covered: dict[tuple[tuple[int, ...], bool], bool] = {}  # units of a stage share the answer
@@ -328,7 +386,7 @@ class _Migration:
                     cells = alive[list(stages)].any(axis=0)  # (D, T): some holding stage has it
                     if key[1]:
                         cells = cells.any(axis=1, keepdims=True)  # any TP rank holds it whole
-                    if not state.sharded:
+                    if not state.sharded or self.whole_over_dp:
                         cells = cells.any(axis=0, keepdims=True)  # any DP replica will do
                     covered[key] = bool(cells.all())
                 if not covered[key]:
@@ -411,7 +469,7 @@ class _Migration:
                 for d in cells1:
                     r1 = _overlap(need1, (d * c1, (d + 1) * c1))
                     dp_key = d if state.sharded else None
-                    same_shard = not state.sharded or d == o_dp
+                    same_shard = not state.sharded or d == o_dp or self.whole_over_dp
                     repl_pending = unit.replicated_params > 0 and not (held and same_shard)
                     repl_num = unit.replicated_params * state.bytes_per_param * (r1[1] - r1[0]) * g0
                     if unit.split_params:
@@ -429,14 +487,15 @@ class _Migration:
                                           (2 * repl_num + den) // (2 * den)))
         return out
 
-    def holders(self, key: tuple) -> list[int]:
-        """Live workers of the old layout that hold the cell `key` = (stages, tp|None, dp|None)."""
+    def holders(self, key: tuple) -> list[tuple[int, int | None]]:
+        """(sender, copy_of) of every live holder of the cell `key` = (stages, tp|None, dp|None)
+        (request.sender)."""
         stages, tp, dp = key
         old, layout, request = self.old, self.request.old, self.request
         tps = range(old.tp) if tp is None else (tp,)
-        dps = range(old.dp) if dp is None else (dp,)
-        found = [layout.slots[t + old.tp * (d + old.dp * s)] for s in stages for t in tps for d in dps]
-        return [w for w in found if w in request.survivors or w in request.leaving]
+        dps = range(old.dp) if dp is None or self.whole_over_dp else (dp,)
+        found = (request.sender(layout.slots[t + old.tp * (d + old.dp * s)]) for s in stages for t in tps for d in dps)
+        return [h for h in found if h is not None]
 
 
 class _SenderPicker:
@@ -450,22 +509,24 @@ class _SenderPicker:
         self.load: dict[int, int] = {}
         self.heaps: dict[tuple, list[tuple[bool, bool, int, int]]] = {}
 
-    def pick(self, key: tuple, nbytes: int, receiver: int) -> int:
+    def pick(self, key: tuple, nbytes: int, receiver: int) -> tuple[int, int | None]:
+        """(sender, copy_of) for a slice of the cell `key` that `receiver` lacks."""
         here = self.instance(receiver)
         heap = self.heaps.get((key, here))
         if heap is None:
-            heap = [(self.instance(w) != here, w in self.leaving, 0, w) for w in self.migration.holders(key)]
+            heap = [(self.instance(w) != here, w in self.leaving, 0, w, -1 if of is None else of)
+                    for w, of in self.migration.holders(key)]
             heapq.heapify(heap)
             self.heaps[key, here] = heap
         while True:  # entries go stale when their worker sends for another cell
-            remote, leaving, load, worker = heap[0]
+            remote, leaving, load, worker, of = heap[0]
             current = self.load.get(worker, 0)
             if load == current:
                 break
-            heapq.heapreplace(heap, (remote, leaving, current, worker))
+            heapq.heapreplace(heap, (remote, leaving, current, worker, of))
         self.load[worker] = current + nbytes
-        heapq.heapreplace(heap, (remote, leaving, current + nbytes, worker))
-        return worker
+        heapq.heapreplace(heap, (remote, leaving, current + nbytes, worker, of))
+        return worker, None if of < 0 else of
 
 
 def _fractions(cache: dict, r: tuple[int, int], grid: int) -> Range:
@@ -500,9 +561,10 @@ def _list_transfers(migration: _Migration, new: Layout) -> MigrationPlan:
         if classes not in pieces:
             pieces[classes] = migration.pieces(*classes)
         for p in pieces[classes]:
-            transfers.append(Transfer(picker.pick(p.holder_key, p.nbytes, dst), dst, p.unit, p.state,
+            src, copy_of = picker.pick(p.holder_key, p.nbytes, dst)
+            transfers.append(Transfer(src, dst, p.unit, p.state,
                                       None if p.split is None else _fractions(ranges, p.split, p.split_grid),
-                                      _fractions(ranges, p.shard, p.shard_grid), p.replicated, p.nbytes))
+                                      _fractions(ranges, p.shard, p.shard_grid), p.replicated, p.nbytes, copy_of))
     return MigrationPlan(request, new, tuple(transfers), _classify(request.old, new, transfers),
                          any(t.src in request.leaving for t in transfers))
 

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -32,9 +33,9 @@ from megatron_parcae.control.coordinator import ConfigError, Coordinator, Coordi
 from megatron_parcae.control.etcd import JobStore, KeptLease, SchemaError
 from megatron_parcae.control.etcd.client import KeyValue
 from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, TRAIN, CoordinatorState, MemberRecord, NoticeRecord
-from megatron_parcae.control.etcd.keys import ChangeReport, StepReport
+from megatron_parcae.control.etcd.keys import ChangeReport, NetworkRecord, StepReport
 from megatron_parcae.control.status import collect, render
-from megatron_parcae.events import EventWriter, MigrationCostLearned, ThroughputLearned, read_events
+from megatron_parcae.events import EventWriter, MigrationCostLearned, NetworkMeasured, ThroughputLearned, read_events
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, MigrationCostModel
 from reconfig.layout import Layout, Parallelism
 from reconfig.plan import MigrationPlan, MigrationRequest, plan_migration
@@ -336,6 +337,43 @@ def test_reported_phases_refit_the_migration_costs_the_coordinator_plans_with(tm
     assert len(read_events(events)) == 2 and coordinator._optimizer.costs.phase_rates == costs.phase_rates
 
 
+@pytest.mark.parametrize("profile", ["tiny.json", "tiny.csv"])
+def test_the_network_the_workers_measured_prices_links_and_transfers(tmp_path, profile):
+    """Once the record is in etcd the coordinator plans with it: a layer profile's link
+    (pipeline and data-parallel traffic) and the cost model's messages between instances
+    take the measured figures; a throughput table keeps its own throughputs. One event says so."""
+    client, events = MemoryEtcd(), tmp_path / "coordinator.events.jsonl"
+    store = JobStore(client, new_job())
+    write_tables(tmp_path)
+    path = write_config(tmp_path) if profile == "tiny.json" else table_config(tmp_path, profile, 2)
+    config = CoordinatorConfig.load(path)
+    coordinator = Coordinator(store, config, config.optimizer(), "unit", EventWriter(events))
+    before = coordinator._optimizer
+    coordinator._use_network()  # nothing measured yet
+    assert coordinator._optimizer is before and not events.exists()
+    record = NetworkRecord(1, "node-0", "node-1", 2**22, 3e-4, 2e8, time.time())
+    client.values[store.keys.network] = record.encode()
+    coordinator._use_network()
+    after = coordinator._optimizer
+    assert after.costs.constants.transfer_seconds(2**30) == pytest.approx(3e-4 + 2**30 / 2e8)
+    assert before.costs.constants.transfer_seconds(2**30) == pytest.approx(1198255.9e-6)  # the constants' table
+    two = next(p for p in before.throughput.layouts() if p.world_size == 2)
+    (event,) = read_events(events)
+    assert isinstance(event, NetworkMeasured) and event.instances == ("node-0", "node-1")
+    assert (event.generation, event.latency_seconds, event.bytes_per_second) == (1, 3e-4, 2e8)
+    assert event.transfer_bytes_per_second == pytest.approx(2e8, rel=1e-3)
+    assert event.prior_transfer_bytes_per_second == pytest.approx(2**30 / 1198255.9e-6)
+    if profile == "tiny.json":  # slower than the profile's 1.25e9: layouts that talk over it lose
+        assert (event.link_bytes_per_second, event.prior_link_bytes_per_second) == (2e8, 1.25e9)
+        assert after.throughput.link_bytes_per_second == 2e8
+        assert after.throughput.samples_per_second(two) < before.throughput.samples_per_second(two)
+    else:
+        assert event.link_bytes_per_second is event.prior_link_bytes_per_second is None
+        assert after.throughput.samples_per_second(two) == before.throughput.samples_per_second(two)
+    coordinator._use_network()  # read once
+    assert len(read_events(events)) == 1 and coordinator._optimizer is after
+
+
 def test_instances_of_two_gpus_go_and_come_whole(job):
     store, workers, tmp_path = job
     workers += [Worker(store, w, instance="abcd"[w // 2]) for w in range(8)]  # a: 0 1, b: 2 3, ...
@@ -629,6 +667,29 @@ def test_second_coordinator_waits_and_a_killed_one_is_replaced_from_etcd(etcd_se
     assert all(kv.version == 1 for kv in client.get_prefix(store.keys.plans))
 
 
+def test_the_rates_key_puts_a_rate_models_means_in_the_coordinators_forecast(tmp_path):
+    """The model is fitted on the kept availability history, whose last row starts at the
+    boundary just passed; without the key the forecaster's expectations stand."""
+    rows = [[4, 0, 0]] * 100 + [[3, 1, 0], [4, 0, 1]] * 30  # 159 intervals of 30 s: over an hour
+    forecasts = {}
+    for rates in ("none", "constant", "seasonal"):
+        config = CoordinatorConfig.load(write_config(tmp_path, rates=rates))
+        assert config.rates == rates
+        coordinator = Coordinator(JobStore(MemoryEtcd(), new_job()), config, config.optimizer(), "unit")
+        for row in rows:
+            coordinator._observe(row)
+        coordinator._boundary_at = 1_700_000_000.0
+        forecasts[rates] = coordinator._make_forecast()
+    assert CoordinatorConfig.load(write_config(tmp_path)).rates == "none"
+    preemption_rate = (30 + 0.5) / (sum(row[0] for row in rows[:-1]) + 30 + 1)  # exposure: running + arrived
+    arrival_rate = (30 + 0.5) / (len(rows) - 1 + 1)
+    expected = preemption_rate * (np.concatenate(([4], forecasts["none"].expected[:-1])) + arrival_rate)
+    assert forecasts["constant"].preemptions == pytest.approx(expected)
+    assert forecasts["constant"].arrivals == pytest.approx([arrival_rate] * 3)
+    assert forecasts["none"].preemptions != pytest.approx(expected)
+    assert forecasts["seasonal"].preemptions == pytest.approx(expected)  # under a day: the constant model
+
+
 def test_two_coordinators_in_one_process_never_both_act(job):
     store, workers, tmp_path = job
     config = write_config(tmp_path, **{"min-workers": 3})
@@ -655,6 +716,8 @@ BAD_CONFIGS = [
     ({"colour": "blue"}, "unknown key(s) colour"),
     ({"min-workers": 9}, "min-workers 9 exceeds max-workers 8"),
     ({"forecaster": "oracle"}, "forecaster: expected one of default, last-value"),
+    ({"rates": "hourly"}, "rates: expected one of none, seasonal, constant, got 'hourly'"),
+    ({"rates": None}, "rates: expected one of none, seasonal, constant, got None"),
     ({"tensorboard-dir": 3}, "tensorboard-dir: expected a folder path, got 3"),
     ({"tensorboard-dir": "tiny.json"}, "tiny.json is not a folder"),
 ]
@@ -691,7 +754,7 @@ VALUES = st.one_of(st.none(), st.booleans(), st.integers(-5, 100), st.floats(all
 @settings(max_examples=150, deadline=None)
 @given(st.dictionaries(st.sampled_from(["profile", "model", "cost-constants", "interval-seconds", "lookahead",
                                         "grace-seconds", "lease-seconds", "max-workers", "min-workers", "forecaster",
-                                        "tensorboard-dir", "x"]),
+                                        "rates", "tensorboard-dir", "x"]),
                        VALUES, max_size=6))
 def test_config_loader_gives_only_clear_errors(data):
     try:

@@ -354,9 +354,11 @@ class ParcaeAgent:
             self._change = report
         self._wake.ring()
 
-    def record_progress(self, iteration: int, consumed_samples: int, generation: int | None = None) -> None:
+    def record_progress(self, iteration: int, consumed_samples: int, generation: int | None = None,
+                        copies: int = 0) -> None:
         """Record how far training got (the running layout's rank 0, after each step, and
-        a restart, which passes its plan's `generation`: it is not acknowledged yet).
+        a restart, which passes its plan's `generation`: it is not acknowledged yet), and
+        the generation of the workers' newest committed snapshots (`copies`, 0: none).
 
         Unlike the rest, this is sent from the caller's thread: a restart from a checkpoint
         counts the steps it loses from it, also when every process that trained them died.
@@ -370,7 +372,7 @@ class ParcaeAgent:
         once it does (the step does not wait out a deadline).
         """
         record = ProgressRecord(self._current if generation is None else generation, iteration, consumed_samples,
-                                time.time())
+                                time.time(), copies)
         self.progress_written()  # one record in flight at a time, in order
         if generation is None and self._client.unreachable_seconds == 0:
             with self._lock:

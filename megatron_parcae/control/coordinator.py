@@ -44,7 +44,8 @@ Rules it keeps:
 - Prices are learnt from the job: step times from the workers' step reports (at interval
   boundaries), migration costs from the phases each in-place change took, which the new
   layout's rank 0 reports (`ChangeReport`): the cost model's phase rates are fitted on the
-  changes still kept, beside their plans, as soon as one is reported.
+  changes still kept, beside their plans, as soon as one is reported; the network between
+  instances from the figures the workers measure when the first layout on two is built.
 - When training ends (the `done` record a worker writes), the coordinator exits.
 """
 
@@ -69,7 +70,7 @@ from typing import Any
 
 import yaml
 
-from megatron_parcae.events import EventWriter, MigrationCostLearned, PlanPublished, ThroughputLearned
+from megatron_parcae.events import EventWriter, MigrationCostLearned, NetworkMeasured, PlanPublished, ThroughputLearned
 from megatron_parcae.control.etcd import (
     EtcdClient,
     EtcdError,
@@ -89,6 +90,7 @@ from megatron_parcae.control.etcd.keys import (
     ChangeReport,
     CoordinatorState,
     MemberRecord,
+    NetworkRecord,
     NoticeRecord,
     ProfileRecord,
 )
@@ -98,8 +100,10 @@ from megatron_parcae.liveput.learned import ThroughputLearner
 from megatron_parcae.liveput.throughput import ForModels, ProfileError, ThroughputModel
 from megatron_parcae.scalars import ScalarBackend
 from predictor.forecast import FORECASTERS, AvailabilityForecast, Forecaster, make_forecaster
+from predictor.rates import RATES, ForecastRates, make_rates
 from reconfig.layout import Layout, ModelShape
-from reconfig.plan import MigrationPlan
+from reconfig.copies import copy_holders
+from reconfig.plan import Copies, MigrationPlan
 from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement
 
 log = logging.getLogger("parcae.coordinator")
@@ -131,6 +135,7 @@ class CoordinatorConfig:
     distributed_optimizer: bool = False  # the workers train with --use-distributed-optimizer
     gpus_per_instance: int = 1  # workers (GPUs) of an instance: a preemption takes them all
     forecaster: str = "default"  # predictor.forecast.FORECASTERS: availability over the lookahead
+    rates: str = "none"  # predictor.rates.RATES: expected preemptions from a rate model, not the forecaster
     tensorboard_dir: Path | None = None  # where each interval's forecast and liveput go as TensorBoard scalars
 
     @classmethod
@@ -175,6 +180,10 @@ class CoordinatorConfig:
                 if value not in FORECASTERS:
                     raise ConfigError(f"{where}: forecaster: expected one of {', '.join(FORECASTERS)}, got {value!r}")
                 values[name] = value
+            elif name == "rates":
+                if value not in RATES:
+                    raise ConfigError(f"{where}: rates: expected one of {', '.join(RATES)}, got {value!r}")
+                values[name] = value
             elif name == "distributed_optimizer":
                 if not isinstance(value, bool):
                     raise ConfigError(f"{where}: {key}: expected true or false, got {value!r}")
@@ -192,18 +201,21 @@ class CoordinatorConfig:
             raise ConfigError(f"{where}: min-workers {config.min_workers} exceeds max-workers {config.max_workers}")
         return config
 
-    def optimizer(self, throughput: ThroughputModel | None = None,
-                  phase_rates: PhaseRates | None = None) -> LiveputOptimizer:
+    def optimizer(self, throughput: ThroughputModel | None = None, phase_rates: PhaseRates | None = None,
+                  network: NetworkRecord | None = None) -> LiveputOptimizer:
         """The liveput optimizer of this job, built as `parcae simulate` builds it
         (liveput/factory.py), on the profile or on `throughput` made of it (learned from
-        step reports, kept to the workers' models), pricing changes by the constants or by
-        `phase_rates` (fitted on the changes' measured phases)."""
+        step reports, kept to the workers' models), pricing changes by the constants (on
+        the `network` the workers measured, once they have) or by `phase_rates` (fitted on
+        the changes' measured phases)."""
         constants = CostConstants.load(self.cost_constants)
         constants = dataclasses.replace(
             constants,
             interval_seconds=self.interval_seconds or constants.interval_seconds,
             grace_period_seconds=constants.grace_period_seconds if self.grace_seconds is None else self.grace_seconds,
         )
+        if network is not None:
+            constants = constants.on_network(network.latency_seconds, network.bytes_per_second)
         return build_liveput(throughput or self.profile, constants, model=self.model, max_workers=self.max_workers,
                              lookahead=self.lookahead, distributed_optimizer=self.distributed_optimizer,
                              gpus_per_instance=self.gpus_per_instance, phase_rates=phase_rates).optimizer()
@@ -247,6 +259,7 @@ class MemberView:
     state_kept: bool  # every broken worker still holds its state of the layout
     placement: Placement  # the instances of the members (and of the layout's lost workers)
     notices: dict[int, NoticeRecord]  # of the members
+    noticed: frozenset[int] = frozenset()  # members under a notice whose deadline has not passed
 
 
 class Coordinator:
@@ -276,6 +289,7 @@ class Coordinator:
         # The reported changes fitted on, by generation; None: none read since leadership was won.
         self._changes: dict[int, tuple[MigrationPlan, ChangeReport]] | None = None
         self._interval = optimizer.interval
+        self._network: NetworkRecord | None = None  # as the workers measured it, once they have
         # A layer profile was measured on one model (a throughput table names one only).
         self._profile = ProfileRecord(config.profile.name, optimizer.costs.shape.to_dict()) \
             if config.profile.suffix.lower() == ".json" else None
@@ -287,6 +301,7 @@ class Coordinator:
         # Loaded from etcd by _resume() each time leadership is won; made here once so
         # that its imports are paid before a takeover, not during one.
         self._forecaster: Forecaster = make_forecaster(config.forecaster, self._interval)
+        self._rates: ForecastRates | None = make_rates(config.rates, self._interval)
         self._forecast: AvailabilityForecast | None = None
         self._history: deque[list[int]] = deque(maxlen=HISTORY_KEPT)
         self._boundary_at = 0.0
@@ -392,6 +407,7 @@ class Coordinator:
             state = None
         self._store.publish_profile(self._profile, self._leadership.guard())
         self._forecaster = make_forecaster(self._config.forecaster, self._interval)
+        self._rates = make_rates(self._config.rates, self._interval)
         self._history.clear()
         self._forecast = None
         self._previous, self._seen = None, set()
@@ -430,10 +446,13 @@ class Coordinator:
         self._forecaster.observe(*row)
 
     def _make_forecast(self) -> AvailabilityForecast | None:
-        """The forecast of the intervals after the coming one (None: assume no change)."""
+        """The forecast of the intervals after the coming one (None: assume no change), its
+        expected events the rate model's when the config names one (the last row of the
+        history starts at the boundary just passed)."""
         if not self._history or self._optimizer.horizon < 2:
             return None
-        return self._forecaster.forecast(self._optimizer.horizon - 1)
+        forecast = self._forecaster.forecast(self._optimizer.horizon - 1)
+        return forecast if self._rates is None else self._rates.apply(forecast, self._history, self._boundary_at)
 
     def _instances(self, workers: set[int] | frozenset[int]) -> int:
         """How many instances `workers` run on: what forecasts count."""
@@ -488,7 +507,7 @@ class Coordinator:
         leaving = (noticed - expired - restarted) & in_layout
         broken = frozenset(w for w in in_layout & available if members[w].broken == generation)
         return MemberView(available, leaving, in_layout - available - leaving, restarted, broken,
-                          all(members[w].state_kept for w in broken), placement, notices)
+                          all(members[w].state_kept for w in broken), placement, notices, noticed - expired - restarted)
 
     def _expired(self, notices: dict[int, NoticeRecord], placement: Placement, now: float) -> frozenset[int]:
         """Noticed workers that can no longer send state: the deadline passed and their
@@ -559,6 +578,7 @@ class Coordinator:
         if boundary and current is not None:
             self._learn(generation, current)
         self._refit(members)
+        self._use_network()
         batching = self._batching(view)
         if not self._plans_for(members):
             pass  # warned; a change of members may bring a model it can train
@@ -603,6 +623,8 @@ class Coordinator:
                     self._publish(generation + 1, current, None, seconds, SAVE_AND_EXIT, reason, view, members,
                                   SAVE_AND_EXIT)
                     return
+                if view.lost and decision.layout is not None and decision.plan is None:
+                    decision = self._from_copies(view) or decision  # state lost: restart only if it must
                 if decision.layout is None:
                     self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting"
                                     f"{self._unsaved(current, view, members)}")
@@ -634,7 +656,8 @@ class Coordinator:
         """A new optimizer on what is known of throughput and migration costs, for the
         members' models."""
         try:
-            self._optimizer = self._config.optimizer(ForModels(self._throughput, self._models), self._phase_rates)
+            self._optimizer = self._config.optimizer(ForModels(self._throughput, self._models), self._phase_rates,
+                                                     self._network)
             self._unbuildable = ""
         except ProfileError as exc:
             self._unbuildable = f"{exc}; waiting for workers of a model it can train"
@@ -723,6 +746,36 @@ class Coordinator:
             self._phase_rates = fitted.phase_rates
             self._rebuild()
 
+    def _use_network(self) -> None:
+        """Once the workers have measured the network between two instances (the first
+        layout built on two does, training/network.py), plan with it: the profile's link
+        becomes it (the step reports kept correct the new prior as they did the old) and
+        so do the cost constants' messages between instances."""
+        if self._network is not None:
+            return
+        try:
+            record = self._store.network()
+        except SchemaError as exc:
+            self._warn_once(f"the network stays as assumed: {exc}")
+            return
+        if record is None:
+            return
+        before = self._optimizer
+        self._network = record
+        self._throughput = self._learner.reprice(self._learner.prior.with_link(record.bytes_per_second))
+        self._rebuild()
+        link, prior_link = self._optimizer.throughput.link_bytes_per_second, before.throughput.link_bytes_per_second
+        transfer, prior_transfer = _sending_rate(self._optimizer.costs), _sending_rate(before.costs)
+        shown = "as the throughput table measured it" if link is None else \
+            f"at {link:.3g} bytes/s (the profile's: {prior_link:.3g})"
+        log.info("network between instances %s and %s, measured by generation %d: %.3g bytes/s, %.3g s latency; "
+                 "pipeline and data-parallel traffic now %s, state between instances at %.3g bytes/s (the cost "
+                 "constants': %.3g)", record.instance, record.peer_instance, record.generation,
+                 record.bytes_per_second, record.latency_seconds, shown, transfer, prior_transfer)
+        self._events.write(NetworkMeasured(record.generation, (record.instance, record.peer_instance),
+                                           record.latency_seconds, record.bytes_per_second, link, prior_link,
+                                           transfer, prior_transfer))
+
     def _migration(self, generation: int) -> MigrationPlan | None:
         """The migration the plan of `generation` made; None if it made none or is gone."""
         envelope = self._store.plan(generation)
@@ -769,15 +822,32 @@ class Coordinator:
                    for w in layout.workers & frozenset(members))
 
     def _recovery(self, current: Layout, view: MemberView) -> Decision:
-        """The plan after the current layout's WORLD broke (every live worker of it reported)."""
-        if not view.state_kept:
-            return self._decide(None, view.available, self._forecast,  # from the last checkpoint
-                                placement=view.placement)
-        decision = self._decide(current, view.available, self._forecast, view.leaving,
-                                placement=view.placement)
-        if decision.layout == current:
-            return self._optimizer.rebuild(current)
-        return decision
+        """The plan after the current layout's WORLD broke (every live worker of it reported):
+        from the state the workers kept, else from their snapshots, else from the last
+        checkpoint."""
+        if view.state_kept:
+            decision = self._decide(current, view.available, self._forecast, view.leaving,
+                                    placement=view.placement)
+            if decision.layout == current:
+                return self._optimizer.rebuild(current)
+            if decision.plan is not None or decision.layout is None:
+                return decision
+        return self._from_copies(view) or self._decide(None, view.available, self._forecast,
+                                                       placement=view.placement)
+
+    def _from_copies(self, view: MemberView) -> Decision | None:
+        """A plan that rolls the workers back to their newest snapshots (reconfig/copies.py)
+        and fills the lost ones' slots from their buddies' copies; None when the workers
+        keep none (the progress record names their generation) or they cannot make up
+        for what was lost (a worker and its buddy both gone)."""
+        progress = self._store.progress()
+        envelope = None if progress is None or not progress.copies else self._store.plan(progress.copies)
+        if envelope is None or envelope.action != TRAIN or not envelope.holders():
+            return None
+        layout = Layout.from_dict(envelope.layout)
+        decision = self._decide(layout, view.available, self._forecast, view.noticed & layout.workers,
+                                placement=view.placement, copies=Copies(envelope.generation, envelope.holders()))
+        return decision if decision.plan is not None else None
 
     def _publish_decision(self, generation: int, decision: Decision, current: Layout | None, view: MemberView,
                           members: dict[int, MemberRecord]) -> None:
@@ -789,8 +859,9 @@ class Coordinator:
 
     def _publish(self, generation: int, layout: Layout, plan: MigrationPlan | None, seconds: float, kind: str,
                  reason: str, view: MemberView, members: dict[int, MemberRecord], action: str = TRAIN) -> None:
+        holders = copy_holders(layout, view.placement)
         envelope = PlanEnvelope(generation, time.time(), layout.to_dict(), None if plan is None else plan.to_dict(),
-                                action)
+                                action, [holders.get(w) for w in layout.slots] if holders else None)
         if not self._store.publish_plan(envelope, self._leadership.guard()):
             log.warning("generation %d was not published: the generation or the leader changed; re-reading", generation)
             self._wake.set()
@@ -807,6 +878,7 @@ class Coordinator:
         self._events.write(PlanPublished(generation, kind, p.tp, p.pp, p.dp, tuple(layout.slots), float(seconds),
                                          reason, tuple(sorted(view.lost)), tuple(sorted(view.broken)),
                                          tuple(view.placement.instance(w) for w in layout.slots),
+                                         _recovery_path(plan, kind) if view.lost or view.broken else "",
                                          time=envelope.created_at))
         self._save()
         for worker in sorted((view.lost & frozenset(members)) - view.restarted):
@@ -832,10 +904,22 @@ class Coordinator:
         return "; ".join(parts)
 
 
+def _recovery_path(plan: MigrationPlan | None, kind: str) -> str:
+    """Where the state of a plan made after a loss comes from (PlanPublished.RECOVERIES)."""
+    if plan is None:
+        return "checkpoint" if kind == "restart" else ""
+    return "copies" if plan.request.copies is not None else "replicas"
+
+
 def _phases_seconds(costs: MigrationCostModel, plan: MigrationPlan, report: ChangeReport) -> float:
     """What `costs` predict of the phases of `plan` that `report` measured."""
     predicted = costs.phase_seconds(plan)
     return sum(predicted[phase] for phase in report.phases)
+
+
+def _sending_rate(costs: MigrationCostModel) -> float:
+    """Bytes per second at which `costs` send a GiB between two instances."""
+    return 2**30 / costs.constants.transfer_seconds(2**30)
 
 
 def _ids(workers: frozenset[int], shown: int = 8) -> str:
@@ -861,7 +945,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
                              "lease-seconds, max-workers, min-workers, distributed-optimizer, gpus-per-instance, "
-                             "forecaster, tensorboard-dir (see CoordinatorConfig)")
+                             "forecaster, rates, tensorboard-dir (see CoordinatorConfig)")
     parser.add_argument("--events", default=None, metavar="FILE",
                         help="append each published plan to FILE as a JSON line (megatron_parcae/events.py)")
 

@@ -43,7 +43,7 @@ from megatron_parcae.liveput.scenarios import ScenarioCosts, StepOutlook, preemp
 from megatron_parcae.liveput.throughput import ThroughputModel
 from reconfig.layout import Layout, Parallelism
 from reconfig.placement import ONE_GPU, Placement
-from reconfig.plan import LostStateError, MigrationPlan, MigrationRequest, plan_migration
+from reconfig.plan import Copies, LostStateError, MigrationPlan, MigrationRequest, plan_migration
 
 if TYPE_CHECKING:
     from predictor.forecast import AvailabilityForecast
@@ -80,7 +80,8 @@ def outlook(forecast: AvailabilityForecast | None, instances_now: int, steps: in
     """The forecast's next `steps` intervals as instance counts and preemption distributions.
 
     A forecast whose 10% and 90% quantiles coincide is certain (an oracle); its
-    preemption counts are taken as exact.
+    preemption counts are taken as exact. The expected preemptions are the forecaster's,
+    or a rate model's put in their place (`predictor.rates.ForecastRates`).
     """
     if forecast is None or steps == 0:
         return [StepOutlook(instances_now, ((1.0, 0),))] * steps
@@ -165,7 +166,7 @@ class LiveputOptimizer:
 
     def decide(self, current: Layout | None, available: Collection[int],
                forecast: AvailabilityForecast | None = None, leaving: Collection[int] = (),
-               busy_seconds: float = 0.0, placement: Placement = ONE_GPU) -> Decision:
+               busy_seconds: float = 0.0, placement: Placement = ONE_GPU, copies: Copies | None = None) -> Decision:
         """Choose the layout for the coming interval.
 
         `current`: the running layout (None before the job starts). `available`: workers
@@ -174,7 +175,8 @@ class LiveputOptimizer:
         ones are ignored); current workers in neither set were lost without notice.
         `forecast`: the coming intervals after this one, in instances (None: assume
         nothing changes). `busy_seconds`: what is left of a migration still in progress.
-        `placement`: the workers' instances, of the optimizer's G GPUs.
+        `placement`: the workers' instances, of the optimizer's G GPUs. `copies`: the state
+        comes from the snapshots of `current` the workers keep (plan.Copies), rolled back.
         """
         if placement.gpus_per_instance != self.gpus_per_instance:
             raise ValueError(f"the placement has {placement.gpus_per_instance} GPU(s) per instance, the optimizer "
@@ -204,7 +206,8 @@ class LiveputOptimizer:
             first.add(running)
         steps = outlook(forecast, instances, self.horizon - 1)
         path, value = self._solve(first, start_cost, exact, busy_seconds, instances, steps)
-        return self._realise(current, available, leaving, lost, placement, [self._layouts[i] for i in path], value)
+        return self._realise(current, available, leaving, lost, placement, [self._layouts[i] for i in path], value,
+                             copies)
 
     def _solve(self, first: set[int], start_cost: Callable[[int], tuple[float, bool]], exact: set[int],
                busy: float, instances: int, steps: list[StepOutlook]) -> tuple[list[int], float]:
@@ -312,7 +315,8 @@ class LiveputOptimizer:
         return Decision(plan.new, plan, self.costs.plan_cost(plan), (current.parallelism,), 0.0)
 
     def _realise(self, current: Layout | None, available: frozenset[int], leaving: frozenset[int],
-                 lost: frozenset[int], placement: Placement, path: list[Parallelism], value: float) -> Decision:
+                 lost: frozenset[int], placement: Placement, path: list[Parallelism], value: float,
+                 copies: Copies | None = None) -> Decision:
         """Turn the first step of `path` into a layout with workers and the plan to reach it."""
         if not path:
             return Decision(None, None, NO_COST, (), 0.0)
@@ -320,11 +324,11 @@ class LiveputOptimizer:
         if current is None:
             return Decision(Layout(target, placement.assign(target, sorted(available))), None,
                             self.costs.restart_cost(target, joining=True, cold=True), tuple(path), value)
-        if target == current.parallelism and not (lost or leaving):
+        if target == current.parallelism and not (lost or leaving) and copies is None:
             return Decision(current, None, NO_COST, tuple(path), value)
         survivors = current.workers & available
         request = MigrationRequest(current, survivors, leaving, available - current.workers, self.distributed_optimizer,
-                                   placement=placement)
+                                   placement=placement, copies=copies)
         joining = target.world_size > len(survivors)
         try:
             plan = plan_migration(request, target, self.costs.shape)

@@ -125,6 +125,11 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-lease-seconds", type=float, default=10.0, metavar="SECONDS",
                    help="with --parcae-etcd: a process silent this long counts as lost, and a collective "
                         "waiting this long for a peer fails (default 10; above the longest wait within a step)")
+    g.add_argument("--parcae-copy-interval", type=int, default=10, metavar="STEPS",
+                   help="with --parcae-etcd: every this many steps, and after each layout change, each worker "
+                        "snapshots its state in host memory and sends a copy to a worker on another instance, so "
+                        "a worker lost without notice costs at most this many steps instead of a checkpoint "
+                        "restart; memory: two copies of a worker's state (default 10; 0: no copies)")
     g.add_argument("--parcae-events", default=None, metavar="FILE",
                    help="append what the run does (logged steps, checkpoints, layout changes) to FILE as JSON "
                         "lines, written by the layout's rank 0 (megatron_parcae/events.py); also without --parcae")
@@ -447,6 +452,7 @@ def _check_live_job(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--parcae-metadata-endpoint: {exc}") from None
     _check(args.parcae_grace_seconds >= 0, f"--parcae-grace-seconds must be >= 0, got {args.parcae_grace_seconds}")
     _check(args.parcae_lease_seconds > 0, f"--parcae-lease-seconds must be positive, got {args.parcae_lease_seconds}")
+    _check(args.parcae_copy_interval >= 0, f"--parcae-copy-interval must be >= 0, got {args.parcae_copy_interval}")
     try:
         check_etcd_arguments(args, prefix="parcae-")
     except ValueError as exc:

@@ -12,6 +12,7 @@ Every key of a job, all under `/parcae/<job>/`:
     changes/<generation> ChangeReport     the phases of the in-place change to it, as measured; on no lease
     progress            ProgressRecord    how far training got; on no lease, it outlives the workers
     done                DoneRecord        training ended
+    network             NetworkRecord     the network between two instances, measured once at the start; on no lease
     store/...           (torch store)     the WORLDs' rendezvous (etcd/store.py), `parcae/g<N>/` per generation
 
 Every value is JSON and is validated on read and on write against the record's declared
@@ -258,9 +259,11 @@ class ProgressRecord(Record):
     iteration: int
     consumed_samples: int
     recorded_at: float
+    copies: int = 0  # the generation of the workers' newest committed snapshots (reconfig/copies.py); 0: none
 
     SCHEMA = {"generation": Field(int, 1, MAX_GENERATION), "iteration": Field(int, 0, 2**53),
-              "consumed_samples": Field(int, 0, 2**53), "recorded_at": _TIME}
+              "consumed_samples": Field(int, 0, 2**53), "recorded_at": _TIME,
+              "copies": Field(int, 0, MAX_GENERATION, absent=0)}
 
 
 @dataclass(frozen=True)
@@ -394,6 +397,32 @@ class CoordinatorState(Record):
                 raise SchemaError(f"{where}.forecast", str(exc)) from None
 
 
+@dataclass(frozen=True)
+class NetworkRecord(Record):
+    """The network between two of the job's instances, as its workers measured it when
+    the first layout on two instances was built (training/network.py): `message_bytes`
+    went back and forth between a worker on each, one way taking the latency plus the
+    bytes at the rate. The coordinator prices pipeline and data-parallel traffic, and the
+    state a change sends between instances, with it rather than with what its profile
+    and cost constants assume."""
+
+    generation: int  # the layout that measured it
+    instance: str
+    peer_instance: str
+    message_bytes: int
+    latency_seconds: float
+    bytes_per_second: float
+    measured_at: float
+
+    SCHEMA = {"generation": Field(int, 1, MAX_GENERATION), "instance": _NAME, "peer_instance": _NAME,
+              "message_bytes": Field(int, 1, 2**40), "latency_seconds": Field(float, 0, 60),
+              "bytes_per_second": Field(float, 1, 1e13), "measured_at": _TIME}
+
+    def check(self, where: str) -> None:
+        if self.instance == self.peer_instance:
+            raise SchemaError(f"{where}.peer_instance", f"measured inside instance {self.instance}, not between two")
+
+
 def _body(where: str, cls: type, body: dict) -> Any:
     """A record's body as the reconfig/ object it encodes; that class validates it."""
     try:
@@ -414,7 +443,8 @@ class PlanEnvelope(Record):
     and leave it; the next plan resumes from that checkpoint. The bodies are
     `Layout.to_dict()` and `MigrationPlan.to_dict()` from reconfig/, kept as plain dicts
     here and checked on decode and encode by those classes' `from_dict` (call it again
-    to get the objects).
+    to get the objects). `copy_holders[r]` is the worker (on another instance) that keeps
+    a copy of the snapshots of the worker in slot r (reconfig/copies.py), None for none.
     """
 
     generation: int
@@ -422,6 +452,7 @@ class PlanEnvelope(Record):
     layout: dict
     migration: dict | None
     action: str = TRAIN
+    copy_holders: list | None = None
 
     SCHEMA = {
         "generation": Field(int, 1, MAX_GENERATION),
@@ -429,7 +460,15 @@ class PlanEnvelope(Record):
         "layout": Field(dict, 1),
         "migration": Field(dict, 1, nullable=True),
         "action": Field(str, 1, 32, absent=TRAIN),
+        "copy_holders": Field(list, nullable=True, absent=None),
     }
+
+    def holders(self) -> dict[int, int]:
+        """worker -> the worker that keeps a copy of its snapshots."""
+        if self.copy_holders is None:
+            return {}
+        slots = self.layout["slots"]
+        return {w: h for w, h in zip(slots, self.copy_holders) if h is not None}
 
     @classmethod
     def decode(cls, raw: bytes, where: str) -> PlanEnvelope:
@@ -456,6 +495,14 @@ class PlanEnvelope(Record):
         layout = _body(f"{where}.layout", Layout, self.layout)
         if self.migration is not None and _body(f"{where}.migration", MigrationPlan, self.migration).new != layout:
             raise SchemaError(f"{where}.migration", "its new layout is not the envelope's layout")
+        if self.copy_holders is not None:
+            if len(self.copy_holders) != len(layout.slots):
+                raise SchemaError(f"{where}.copy_holders", f"{len(self.copy_holders)} entries for "
+                                  f"{len(layout.slots)} slots")
+            for r, h in enumerate(self.copy_holders):
+                if h is not None and (not isinstance(h, int) or isinstance(h, bool) or h not in layout.workers
+                                      or h == layout.slots[r]):
+                    raise SchemaError(f"{where}.copy_holders[{r}]", f"{h!r} is not another worker of the layout")
 
 
 _CHECKED_PLANS: dict[bytes, None] = {}  # payloads PlanEnvelope.decode checked, oldest first
@@ -541,6 +588,10 @@ class JobKeys:
     def worker_ids(self) -> str:
         """Its version counts the worker ids handed out (`JobStore.allocate_worker_id`)."""
         return self.prefix + "worker-ids"
+
+    @property
+    def network(self) -> str:
+        return self.prefix + "network"
 
     def member(self, worker_id: int) -> str:
         return f"{self.members}{_WORKER.check(worker_id, 'worker id'):010d}"
@@ -761,3 +812,15 @@ class JobStore:
         """Say which model the coordinator plans for (None: it cannot tell, a throughput table)."""
         op = Delete(self.keys.profile) if record is None else Put(self.keys.profile, record.encode())
         return self.client.txn(list(guard), [op]).succeeded
+
+    # -- network between instances ---------------------------------------------------
+
+    def network(self) -> NetworkRecord | None:
+        """The network between two instances as the job measured it; None until it has."""
+        kv = self.client.get(self.keys.network)
+        return None if kv is None else NetworkRecord.decode(kv.value, kv.key)
+
+    def publish_network(self, record: NetworkRecord) -> bool:
+        """Record the job's network measurement; the first one stays. Returns whether this one was written."""
+        return self.client.txn([Compare(self.keys.network, "version", "==", 0)],
+                               [Put(self.keys.network, record.encode())]).succeeded

@@ -24,8 +24,13 @@ notice and delivers the coordinator's plans; this module applies them:
   blocked on it fail at once, tells the coordinator (`broken` in its member record) and
   waits for the next plan. Its state is whole at its last applied step (the training step
   makes no collective after its update), so that plan can be an in-place migration
-  without the lost peer. A failure while a plan is applied drops the state instead; the
-  coordinator then resumes the job from its last checkpoint.
+  without the lost peer. A failure while a plan is applied drops the state instead.
+- Snapshots (reconfig/copies.py, every --parcae-copy-interval steps and at the first
+  boundary of each layout): each worker keeps its state in host memory and a copy of its
+  ward's. When no live worker holds some lost state (no replica, the distributed
+  optimizer's shards, a failure mid-change), the next plan rolls the survivors back to
+  their snapshots and fills the lost workers' slots from their buddies' copies; only
+  when a worker and its buddy are both lost does the job resume from its checkpoint.
 - `finish()`: the worker that ends training records it in etcd, so standby workers and
   the coordinator exit too.
 - Without etcd the job cannot change, so it does not wait for it for ever: once etcd has
@@ -59,6 +64,7 @@ from megatron_parcae.control.etcd.keys import (SAVE_AND_EXIT, DoneRecord, JobSto
                                                SchemaError)
 from megatron_parcae.control.etcd.store import EtcdStore
 from megatron_parcae.control.notices import build_watcher
+from megatron_parcae.training.network import measure_network
 from megatron_parcae.training.progress import Progress
 from reconfig.execute import (
     HeldState,
@@ -73,6 +79,7 @@ from reconfig.execute import (
     release_runtime,
 )
 from reconfig import planes
+from reconfig.copies import SnapshotStore
 from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationPlan
 from reconfig.world import World, is_peer_failure, process_group_backend
@@ -125,6 +132,9 @@ class LiveReconfiguration:
         self._agreed: tuple[int, bool] | None = None  # what trained() agreed for the coming boundary
         self.before_change = before_change  # complete what needs this WORLD (a save in flight)
         self._profile_checked: ProfileRecord | None = None
+        self.snapshots = SnapshotStore() if args.parcae_copy_interval else None
+        self._copy_holders: dict[int, int] = {}  # of the running layout: worker -> keeper of its copy
+        self._broken_at = 0  # the newest generation whose WORLD broke under this worker
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -150,11 +160,32 @@ class LiveReconfiguration:
             runtime, consumed_samples = self._apply_until(newest, runtime, consumed_samples)
             if runtime is None:
                 return self._await_plan(None, consumed_samples)
+        if not changed:  # a joiner's first boundary in the layout is after its first step: wait for it
+            self._keep_copies(runtime, consumed_samples)
         # As after _await_plan: the first step of a new layout warms it up (allocations, the
         # first collectives on its groups; several steps' time) and is not a measured one,
         # or the coordinator would learn that the layout is slow.
         self._last_boundary = None if changed else time.perf_counter()
         return runtime, consumed_samples
+
+    def _keep_copies(self, runtime: Runtime, consumed_samples: int) -> None:
+        """Snapshot the layout's state with its buddies' copies, when due (every worker of the
+        layout decides alike: same generation, same iteration)."""
+        if self.snapshots is None:
+            return
+        iteration = consumed_samples // self.samples_per_iteration
+        first = self.snapshots.generation != self.generation
+        if not first and iteration % self.args.parcae_copy_interval:
+            return
+        started = time.perf_counter()
+        me, holders = self.world.worker, self._copy_holders
+        ward = next((w for w, h in holders.items() if h == me), None)
+        snapshot = self.snapshots.take(runtime, self.world, self.generation, iteration, consumed_samples,
+                                       holders.get(me), ward)
+        if first and dist.get_rank() == 0:
+            events.report(events.CopiesKept(self.generation, iteration, self.args.parcae_copy_interval,
+                                            snapshot.nbytes() / 2**20, time.perf_counter() - started,
+                                            ward is not None))
 
     def trained(self, consumed_samples: int) -> None:
         """A step was applied (before it is logged): rank 0 records how far the job got,
@@ -162,7 +193,8 @@ class LiveReconfiguration:
         collective has just lined the ranks up; at the boundary they would all wait for
         rank 0's logging, which otherwise overlaps their next step."""
         if dist.get_rank() == 0:
-            self.agent.record_progress(consumed_samples // self.samples_per_iteration, consumed_samples)
+            self.agent.record_progress(consumed_samples // self.samples_per_iteration, consumed_samples,
+                                       copies=0 if self.snapshots is None else self.snapshots.generation)
         self._agreed = self._agree()
 
     def _agree(self) -> tuple[int, bool]:
@@ -272,8 +304,9 @@ class LiveReconfiguration:
         return False
 
     def _lost_in(self, generation: int) -> frozenset[int] | None:
-        """The workers the plan of `generation` counts as lost; None for a restart (a
-        save-and-exit loses none: it saves the layout the plans before it make)."""
+        """The workers the plan of `generation` counts as lost; None for a restart or a
+        rollback to snapshots, which start over (a save-and-exit loses none: it saves the
+        layout the plans before it make)."""
         if generation not in self._lost_by_generation:
             try:
                 envelope = self.store.plan(generation)
@@ -281,12 +314,14 @@ class LiveReconfiguration:
                 return frozenset()  # asked again at the next poll
             if envelope is None:
                 return frozenset()
+            request = None if envelope.migration is None else MigrationPlan.from_dict(envelope.migration).request
             self._lost_by_generation[generation] = (
-                frozenset() if envelope.action == SAVE_AND_EXIT else None if envelope.migration is None
-                else MigrationPlan.from_dict(envelope.migration).request.lost)
+                frozenset() if envelope.action == SAVE_AND_EXIT
+                else None if request is None or request.copies is not None else request.lost)
         return self._lost_by_generation[generation]
 
     def _report_broken(self, generation: int, consumed_samples: int, error: BaseException, state_kept: bool) -> None:
+        self._broken_at = generation
         self.world.break_generation(generation)  # peers blocked on this worker fail now, not at their timeout
         self.agent.report_broken(generation, state_kept)
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
@@ -304,8 +339,11 @@ class LiveReconfiguration:
         while True:
             self._check_membership()
             pending = self.agent.pending_plan()
-            # what it kept of a broken layout goes with it when no plan can come for it in time
-            if pending is None and self.agent.notice_received and (runtime is None or self._cut_off()):
+            # What it kept of a broken layout (its state, or its snapshots: they may hold the
+            # only copy of a lost peer's) goes with it when no plan can come for it in time.
+            kept = runtime is not None or (self._broken_at == self.generation and self.snapshots is not None
+                                           and self.snapshots.generation > 0)
+            if pending is None and self.agent.notice_received and (not kept or self._cut_off()):
                 return None, consumed_samples
             if time.monotonic() >= next_done_check:
                 try:
@@ -380,7 +418,7 @@ class LiveReconfiguration:
         layout = Layout.from_dict(envelope.layout)
         self._check_buildable(envelope.generation, layout.parallelism)
         if envelope.migration is None:
-            return self._restart(envelope.generation, layout, runtime, consumed_samples)
+            return self._restart(envelope, layout, runtime, consumed_samples)
         plan = MigrationPlan.from_dict(envelope.migration)
         me = self.world.worker
         if plan.request.distributed_optimizer != self.args.use_distributed_optimizer:
@@ -388,19 +426,34 @@ class LiveReconfiguration:
                                f"{'with' if plan.request.distributed_optimizer else 'without'} the distributed "
                                "optimizer, this run is not (set distributed-optimizer in the coordinator's config "
                                "as --use-distributed-optimizer is here)")
-        if runtime is not None and me not in plan.request.survivors | plan.request.leaving:
+        request = plan.request
+        # From copies, a worker of the current layout that joined after the snapshots were
+        # taken holds nothing of theirs: it joins again.
+        if runtime is not None and me not in request.survivors | request.leaving \
+                and (request.copies is None or me not in request.joining):
             raise WorkerFenced(f"generation {envelope.generation} counts worker {me} as lost, but it still runs")
-        if runtime is None and me not in plan.new.workers:
+        if runtime is None and me not in plan.new.workers and me not in {t.src for t in plan.transfers}:
             return None, consumed_samples  # not in this change
         started = time.perf_counter()
+        if request.copies is not None:  # what it rolls back from: also steps whose workers are all gone
+            consumed_samples = max(consumed_samples, self._recorded_samples())
         handed_over = _is_running(runtime)
         held = hand_over(runtime) if handed_over else runtime
         runtime, consumed_samples = migrate(plan, envelope.generation, self.world, held, self.build,
-                                            consumed_samples)
-        if runtime is not None and dist.get_rank() == 0:
+                                            consumed_samples, self.snapshots)
+        if runtime is None:
+            return runtime, consumed_samples
+        self._copy_holders = envelope.holders()
+        measure_network(self.store, plan.new, envelope.generation, collective_timeout(self.args))  # once per job
+        if dist.get_rank() == 0:
             figures = change_figures(plan, started)
-            events.report(events.LayoutChange.of_migration(
-                envelope.generation, consumed_samples // self.samples_per_iteration, figures))
+            gbs = self.samples_per_iteration
+            source = None if request.copies is None else f"snapshots of generation {request.copies.generation}"
+            events.report(events.LayoutChange.of_migration(envelope.generation, consumed_samples // gbs, figures,
+                                                           source, figures.rolled_back_samples // gbs))
+            if request.copies is not None:  # training went back: the job's progress is here now
+                self.agent.record_progress(consumed_samples // gbs, consumed_samples, envelope.generation,
+                                           copies=self.snapshots.generation)
             # The coordinator refits its cost model on these. A worker that held no running
             # layout began timing before its peers' last step ended: not the change's time.
             if handed_over:
@@ -445,26 +498,25 @@ class LiveReconfiguration:
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return int(found) == iteration
 
-    def _restart(self, generation: int, layout: Layout, runtime: Runtime | HeldState | None,
+    def _restart(self, envelope: PlanEnvelope, layout: Layout, runtime: Runtime | HeldState | None,
                  consumed_samples: int) -> tuple[Runtime | None, int]:
         """Build `layout` from the newest checkpoint (or the seed): nothing to migrate from."""
+        generation = envelope.generation
         started = time.perf_counter()
         if _is_running(runtime):
             release_runtime(runtime)
+        if self.snapshots is not None:
+            self.snapshots = SnapshotStore()  # of a past the job went back from
         if self.world.worker not in layout.workers:
             self.world.leave()
             # Training goes back to a checkpoint without this worker: what it knew is no
             # longer how far the job got, and would overstate what a later restart loses.
             return None, 0
         self.world.reform(layout.slots, f"g{generation}")
+        measure_network(self.store, layout, generation, collective_timeout(self.args))  # once per job
         # How far training got: what these workers know, or the job's record if further
         # (the workers that trained the last steps may all be gone).
-        try:
-            recorded = self._etcd("read the job's progress", self.store.progress)
-        except SchemaError as exc:
-            print(f" worker {self.world.worker}: ignoring the job's progress record: {exc}", flush=True)
-            recorded = None
-        known = planes.control_tensor([max(consumed_samples, recorded.consumed_samples if recorded else 0)])
+        known = planes.control_tensor([max(consumed_samples, self._recorded_samples())])
         dist.all_reduce(known, op=dist.ReduceOp.MAX)
         source = next((d for d in (self.args.save, self.args.load)
                        if d is not None and checkpointing.is_checkpoint(d)), None)
@@ -472,6 +524,7 @@ class LiveReconfiguration:
         finetune = self.args.finetune and source == self.args.load and source != self.args.save
         with built_layout(self.build, layout.parallelism, self.world, generation) as runtime:
             consumed_samples = 0 if source is None else checkpointing.load(source, runtime, finetune).consumed_samples
+        self._copy_holders = envelope.holders()
         if dist.get_rank() == 0:
             gbs = self.samples_per_iteration
             self.agent.record_progress(consumed_samples // gbs, consumed_samples, generation)  # training goes back here
@@ -480,6 +533,15 @@ class LiveReconfiguration:
                 generation, consumed_samples // gbs, "restart", p.tp, p.pp, p.dp, time.perf_counter() - started,
                 source=source or "the seed", lost_steps=max(0, int(known) - consumed_samples) // gbs))
         return runtime, consumed_samples
+
+    def _recorded_samples(self) -> int:
+        """The samples the job's progress record says were consumed (0 without one)."""
+        try:
+            recorded = self._etcd("read the job's progress", self.store.progress)
+        except SchemaError as exc:
+            print(f" worker {self.world.worker}: ignoring the job's progress record: {exc}", flush=True)
+            recorded = None
+        return 0 if recorded is None else recorded.consumed_samples
 
     def _check_buildable(self, generation: int, p: Parallelism) -> None:
         """Refuse a layout this run's model or batch cannot take (every worker refuses alike)."""

@@ -1,0 +1,200 @@
+"""Snapshots of a layout's state in host memory, each kept twice: by its worker and by a
+buddy on another instance.
+
+Every few steps (and at the first boundary of each layout) every worker of the layout
+takes its state out of the model (`execute.export_held_state`: the distributed
+optimizer's shards are gathered, so each snapshot is its DP column's whole state), keeps
+it, and sends a copy to its buddy while receiving its ward's. A worker lost without
+notice then costs at most the steps since: the survivors roll back to the newest snapshot
+they all hold and take the lost worker's slices from its buddy (`plan.Copies`), retraining
+the steps in between. Only a worker lost together with its buddy sends the job back to
+its checkpoint.
+
+A snapshot is pending until every worker of the layout has confirmed its exchange, then
+committed; the older one is dropped only then. So whenever one worker has committed a
+snapshot every worker holds it (committed or pending), and otherwise every worker still
+holds the one before: the newest snapshot every holder has is the smallest of the
+holders' newest complete ones (`execute.migrate` agrees on it).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reconfig import planes
+from reconfig.execute import Counters, HeldState, MigrationError, Runtime, export_held_state
+from reconfig.layout import Layout
+from reconfig.optimizer_state import STATE_KEYS, LossScale
+from reconfig.placement import Placement
+from reconfig.tensors import ParamShard
+from reconfig.world import World
+
+_TAG = 7_000_000  # apart from the tags of a migration's transfers
+
+
+def copy_holders(layout: Layout, placement: Placement) -> dict[int, int]:
+    """worker -> its buddy: the worker G ranks on (G GPUs an instance), which is on the
+    next instance of the layout, so no instance holds its own copy. Empty for a layout on
+    one instance."""
+    g, slots = placement.gpus_per_instance, layout.slots
+    if len(slots) <= g:
+        return {}
+    holders = {w: slots[(r + g) % len(slots)] for r, w in enumerate(slots)}
+    return {w: h for w, h in holders.items() if placement.instance(w) != placement.instance(h)}
+
+
+@dataclass
+class Snapshot:
+    """One worker's state at an iteration boundary of one generation, and its ward's."""
+
+    generation: int
+    iteration: int
+    consumed_samples: int
+    own: HeldState
+    ward: int | None
+    ward_state: HeldState | None
+
+    @property
+    def key(self) -> int:
+        """Orders snapshots: newer generations first, then iterations (a rollback can take
+        a new generation's first snapshot at an iteration an older one reached)."""
+        return snapshot_key(self.generation, self.iteration)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for state in (self.own, self.ward_state) if state is not None
+                   for tensors in state.tensors.values() for t in tensors.values())
+
+
+def snapshot_key(generation: int, iteration: int) -> int:
+    return generation << 32 | iteration
+
+
+def _detached(held: HeldState) -> HeldState:
+    """`held` without references to the live model's parameters (a snapshot outlives its
+    layout; the parameter's place is taken by its host copy, which has its shape)."""
+    shards = {n: ParamShard(n, held.tensors[n]["param"], s.partition_dim, s.partition_stride)
+              for n, s in held.shards.items()}
+    return HeldState(shards, held.tensors, held.tp_rank, held.tp_size, held.counters)
+
+
+def _header(snapshot: Snapshot) -> tuple[bytes, torch.Tensor]:
+    """A snapshot's own state as (JSON header, flat fp32 payload) for its buddy."""
+    held, names = snapshot.own, sorted(snapshot.own.tensors)
+    scale = held.counters.loss_scale
+    header = {
+        "generation": snapshot.generation, "iteration": snapshot.iteration,
+        "consumed_samples": snapshot.consumed_samples, "tp_rank": held.tp_rank, "tp_size": held.tp_size,
+        "step": held.counters.step, "scheduler_steps": held.counters.scheduler_steps,
+        "loss_scale": None if scale is None else [scale.scale, scale.growth_tracker, scale.hysteresis_tracker],
+        "params": [[n, list(held.tensors[n]["param"].shape), held.shards[n].partition_dim,
+                    held.shards[n].partition_stride] for n in names],
+    }
+    payload = torch.cat([held.tensors[n][k].reshape(-1) for n in names for k in STATE_KEYS])
+    return json.dumps(header).encode(), payload
+
+
+def _int(d: dict, key: str, minimum: int = 0) -> int:
+    value = d.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MigrationError(f"copy from a buddy: {key} is {value!r}")
+    return value
+
+
+def _parse(raw: bytes, payload: torch.Tensor, src: int, generation: int, iteration: int) -> HeldState:
+    """A ward's copy, checked against what this worker expects before it is kept."""
+    try:
+        d = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MigrationError(f"copy from worker {src}: unreadable header ({exc})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("params"), list):
+        raise MigrationError(f"copy from worker {src}: header is not an object with params")
+    if (_int(d, "generation"), _int(d, "iteration")) != (generation, iteration):
+        raise MigrationError(f"copy from worker {src} is of generation {d['generation']} iteration "
+                             f"{d['iteration']}, expected {generation} {iteration}")
+    scale = d.get("loss_scale")
+    if scale is not None and not (isinstance(scale, list) and len(scale) == 3):
+        raise MigrationError(f"copy from worker {src}: loss_scale is {scale!r}")
+    counters = Counters(_int(d, "step"), _int(d, "scheduler_steps"), None if scale is None else LossScale(*scale))
+    shards, tensors, offset = {}, {}, 0
+    for entry in d["params"]:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], str)
+                and isinstance(entry[1], list) and all(isinstance(x, int) and x >= 0 for x in entry[1])
+                and (entry[2] is None or isinstance(entry[2], int)) and isinstance(entry[3], int)):
+            raise MigrationError(f"copy from worker {src}: bad parameter entry {entry!r}")
+        name, shape = entry[0], torch.Size(entry[1])
+        tensors[name] = {}
+        for key in STATE_KEYS:
+            end = offset + shape.numel()
+            if end > payload.numel():
+                raise MigrationError(f"copy from worker {src}: payload ends before {name} {key}")
+            tensors[name][key] = payload[offset:end].view(shape)
+            offset = end
+        shards[name] = ParamShard(name, tensors[name]["param"], entry[2], entry[3])
+    if offset != payload.numel():
+        raise MigrationError(f"copy from worker {src}: {payload.numel() - offset} values beyond its parameters")
+    return HeldState(shards, tensors, _int(d, "tp_rank"), _int(d, "tp_size", 1), counters)
+
+
+class SnapshotStore:
+    """This worker's newest committed snapshot and the one being taken (see the module
+    docstring). It lives as long as the worker: a snapshot outlasts the layout it was
+    taken of, until a newer one is committed."""
+
+    def __init__(self) -> None:
+        self.committed: Snapshot | None = None
+        self.pending: Snapshot | None = None
+
+    @property
+    def generation(self) -> int:
+        """The generation of the newest committed snapshot (0: none)."""
+        return 0 if self.committed is None else self.committed.generation
+
+    def take(self, runtime: Runtime, world: World, generation: int, iteration: int, consumed_samples: int,
+             buddy: int | None, ward: int | None) -> Snapshot:
+        """Snapshot this worker's state, swap copies with buddy and ward, and commit once
+        every worker of the layout has (collective over WORLD, point to point with the
+        buddy and the ward)."""
+        own = _detached(export_held_state(runtime))
+        snapshot = Snapshot(generation, iteration, consumed_samples, own, ward, None)
+        self.pending = None
+        rank_of = {w: r for r, w in enumerate(world.members)}
+        sends = []
+        if buddy is not None:
+            header, payload = _header(snapshot)
+            messages = [planes.control_tensor([len(header), payload.numel()]), planes.control_bytes(header),
+                        planes.on_data_plane(payload)]
+            sends = [dist.isend(m, rank_of[buddy], tag=_TAG + i) for i, m in enumerate(messages)]
+        if ward is not None:
+            sizes = planes.control_buffer(2, torch.int64)
+            dist.recv(sizes, rank_of[ward], tag=_TAG)
+            header = planes.control_buffer(int(sizes[0]), torch.uint8)
+            payload = planes.data_buffer(int(sizes[1]), torch.float32)
+            dist.recv(header, rank_of[ward], tag=_TAG + 1)
+            dist.recv(payload, rank_of[ward], tag=_TAG + 2)
+            payload = planes.host_copy(payload)
+            planes.host_copies_done()
+            snapshot.ward_state = _parse(header.numpy().tobytes(), payload, ward, generation, iteration)
+        for s in sends:
+            s.wait()
+        self.pending = snapshot
+        done = planes.control_tensor([1])
+        dist.all_reduce(done)  # every worker has its ward's copy: commit
+        self.committed, self.pending = snapshot, None
+        return snapshot
+
+    def newest(self, generation: int) -> int:
+        """The key of the newest complete snapshot of `generation` held here; -1 if none."""
+        found = [s.key for s in (self.committed, self.pending) if s is not None and s.generation == generation
+                 and (s.ward is None or s.ward_state is not None)]
+        return max(found, default=-1)
+
+    def restore(self, key: int) -> tuple[HeldState, dict[int, HeldState], int]:
+        """(own state, ward's state by worker, consumed samples) of the snapshot `key`."""
+        for s in (self.committed, self.pending):
+            if s is not None and s.key == key:
+                return s.own, ({} if s.ward_state is None else {s.ward: s.ward_state}), s.consumed_samples
+        raise MigrationError(f"no snapshot of generation {key >> 32} iteration {key & 0xFFFFFFFF} is held here")

@@ -1,0 +1,100 @@
+"""Sudden losses recovered from the buddies' snapshots (reconfig/copies.py), with real
+worker processes killed: a stage without replica is rolled back and refilled in place;
+a worker lost with its buddy falls back to the checkpoint; a worker lost mid-change has
+the change retried without it. Every run trains exactly what an uninterrupted one does."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from helpers import ITERS, REPO, assert_close, wait_for, worker_events
+from megatron_parcae.events import CopiesKept, Iteration, LayoutChange, PlanPublished, Save, read_events
+
+pytestmark = pytest.mark.slow
+
+COPY_INTERVAL = 10  # --parcae-copy-interval's default, which the live_job workers use
+
+
+def _pipeline_job(live_job, workers: int):
+    """`workers` registered workers and a coordinator whose profile fits the model only in
+    three or more pipeline stages and prices data parallelism high: every layout keeps a
+    single copy of each layer (no replica)."""
+    store, coordinator, worker, tmp_path = live_job
+    profile = json.loads((REPO / "configs/profiles/gpt-tiny-cpu.json").read_text())
+    (tmp_path / "profile.json").write_text(json.dumps({**profile, "max_tensor_parallel": 1,
+                                                       "gpu_memory_bytes": 4e7, "link_bytes_per_second": 1e6}))
+    config = tmp_path / "coordinator.yaml"
+    config.write_text("\n".join(f"profile: {tmp_path / 'profile.json'}" if line.startswith("profile:") else line
+                                for line in config.read_text().splitlines()))
+    processes = {w: worker(w) for w in range(workers)}
+    wait_for(lambda: len(store.members()) == workers, 120, f"{workers} workers to register")
+    coordinator("a")
+    wait_for(lambda: any(isinstance(e, CopiesKept) for e in worker_events(tmp_path))
+             and max((r.iteration for r in store.step_reports().values()), default=0) >= 3, 180,
+             "the first snapshots and 3 iterations")
+    layout = store.latest_plan().layout
+    assert layout["dp"] == 1 and layout["pp"] >= 3, layout
+    return processes, layout["slots"]
+
+
+def _check(live_job, processes: dict, survivors: list[int], uninterrupted: dict) -> tuple[list, list]:
+    """Every survivor ended well, every iteration trained as the uninterrupted run did
+    (also those trained twice), and the repeated ones are the lost steps reported."""
+    store, _, _, logs = live_job
+    for w in survivors:
+        assert processes[w].wait(timeout=300) == 0, (logs / f"worker-{w}.log").read_text()[-3000:]
+    assert store.done() is not None and store.done().iteration == ITERS
+    events = worker_events(logs)
+    trained = [e for e in events if isinstance(e, Iteration)]
+    assert sorted({e.iteration for e in trained}) == list(range(1, ITERS + 1))
+    for e in trained:
+        assert_close({e.iteration: e.losses["lm loss"]}, {e.iteration: uninterrupted[e.iteration]})
+    changes = [e for e in events if isinstance(e, LayoutChange)]
+    assert len(trained) - ITERS == sum(c.lost_steps for c in changes)
+    plans = [e for e in read_events(logs / "coordinator-a.events.jsonl") if isinstance(e, PlanPublished)]
+    return changes, plans
+
+
+def test_a_stage_without_replica_is_refilled_from_its_buddys_copy(live_job, uninterrupted):
+    processes, slots = _pipeline_job(live_job, 4)
+    killed = slots[1]
+    processes[killed].send_signal(signal.SIGKILL)
+    changes, plans = _check(live_job, processes, [w for w in processes if w != killed], uninterrupted)
+    recovered = [p for p in plans if killed in p.lost]
+    assert recovered and recovered[0].recovery == "copies", plans
+    change = next(c for c in changes if c.generation == recovered[0].generation)
+    assert change.kind != "restart" and change.source.startswith("snapshots of generation")
+    assert 0 <= change.lost_steps <= COPY_INTERVAL
+    assert not any(c.kind == "restart" for c in changes if c.generation > 1)
+
+
+def test_a_worker_lost_with_its_buddy_falls_back_to_the_checkpoint(live_job, uninterrupted):
+    processes, slots = _pipeline_job(live_job, 5)
+    wait_for(lambda: any(isinstance(e, Save) for e in worker_events(live_job[3])), 180, "a checkpoint")
+    lost = slots[0], slots[1]  # slot 1 keeps slot 0's copy
+    for w in lost:
+        processes[w].send_signal(signal.SIGKILL)
+    changes, plans = _check(live_job, processes, [w for w in processes if w not in lost], uninterrupted)
+    recovered = [p for p in plans if set(lost) & set(p.lost)]
+    assert recovered and recovered[-1].recovery == "checkpoint", plans
+    assert any(c.kind == "restart" and c.source != "the seed" for c in changes if c.generation > 1)
+
+
+def test_a_worker_lost_mid_change_has_the_change_retried_without_it(live_job, uninterrupted):
+    store = live_job[0]
+    processes, slots = _pipeline_job(live_job, 5)
+    generation = store.current_generation()
+    processes[slots[2]].send_signal(signal.SIGTERM)  # a notice: the layout changes without it
+    new = wait_for(lambda: store.current_generation() > generation and store.latest_plan(), 60, "the change")
+    victim = next(w for w in new.layout["slots"] if w in slots)  # killed while the change is applied
+    processes[victim].send_signal(signal.SIGKILL)
+    changes, plans = _check(live_job, processes, [w for w in processes if w not in (victim, slots[2])],
+                            uninterrupted)
+    assert processes[slots[2]].wait(timeout=60) == 0  # the noticed worker left in time
+    retried = [p for p in plans if p.generation > new.generation]
+    assert retried and victim not in retried[0].workers, plans
+    assert retried[0].recovery in ("copies", "replicas"), retried[0]
+    assert not any(c.kind == "restart" for c in changes if c.generation > 1)
