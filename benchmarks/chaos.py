@@ -75,6 +75,7 @@ class RunReport:
     recoveries_from_replicas: int = 0  # the survivors held the lost state
     recoveries_from_copies: int = 0  # rolled back to snapshots, the lost state from buddies
     checkpoint_fallbacks: int = 0
+    restarts_before_training: int = 0  # the first layout lost a worker before its first step: nothing lost
     lost_steps: int = 0
     trained_samples: int = 0  # consumed less fp16's skipped steps
     repeated_iterations: int = 0
@@ -193,13 +194,16 @@ class Chaos:
 
 def recoveries(workdir: Path, log: JobLog) -> dict[str, int]:
     """The applied plans the coordinators published for lost workers, by where their state
-    came from (PlanPublished.RECOVERIES)."""
-    applied = {c["generation"] for c in log.changes}
-    found = dict.fromkeys(PlanPublished.RECOVERIES, 0)
+    came from (PlanPublished.RECOVERIES), and "before_training": restarts of a job that had
+    not trained a step (a kill while the first layout was built), which lose nothing."""
+    applied = {c["generation"]: c for c in log.changes}
+    found = dict.fromkeys((*PlanPublished.RECOVERIES, "before_training"), 0)
     for path in workdir.glob("coordinator-*.events.jsonl"):
         for plan in read_events(path):
             if isinstance(plan, PlanPublished) and plan.generation in applied and plan.recovery:
-                found[plan.recovery] += 1
+                change = applied[plan.generation]
+                idle = plan.recovery == "checkpoint" and change["iteration"] == 0 and not change["lost_steps"]
+                found["before_training" if idle else plan.recovery] += 1
     return found
 
 
@@ -235,6 +239,7 @@ def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], i
     report.recoveries_from_replicas, report.recoveries_from_copies = found["replicas"], found["copies"]
     report.recoveries_in_place = found["replicas"] + found["copies"]
     report.checkpoint_fallbacks = found["checkpoint"]
+    report.restarts_before_training = found["before_training"]
     report.sample_problems, report.repeated_iterations = check_samples(job.log.trained, global_batch, iterations,
                                                                        report.lost_steps)
     if report.finished:
@@ -294,14 +299,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{', distributed optimizer' if distributed else ''}, {report.kills} kills "
               f"({report.kills_during_migration} in migrations, {report.kills_at_checkpoint} at checkpoints), "
               f"{report.recoveries_in_place} in place ({report.recoveries_from_replicas} from replicas, "
-              f"{report.recoveries_from_copies} from copies), {report.checkpoint_fallbacks} from checkpoints, "
+              f"{report.recoveries_from_copies} from copies), {report.checkpoint_fallbacks} from checkpoints"
+              f"{f' (and {report.restarts_before_training} before training)' if report.restarts_before_training else ''}, "
               f"{report.lost_steps} lost steps, {report.difference}, {report.wall_seconds:.0f} s"
               + (f"; {report.error or ''} {' '.join(report.sample_problems)}" if not report.passed else ""),
               flush=True)
     totals = {key: sum(getattr(r, key) for r in reports) for key in (
         "kills", "kills_during_migration", "kills_at_checkpoint", "coordinator_restarts", "etcd_restarts",
         "recoveries_in_place", "recoveries_from_replicas", "recoveries_from_copies", "checkpoint_fallbacks",
-        "lost_steps", "repeated_iterations")}
+        "restarts_before_training", "lost_steps", "repeated_iterations")}
     differences = [r.difference for r in reports if r.difference is not None]
     summary = {"runs": len(reports), "passed": sum(r.passed for r in reports),
                "finished": sum(r.finished for r in reports), **totals,

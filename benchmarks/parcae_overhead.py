@@ -22,10 +22,12 @@ WARMUP after the last layout change; the first plan comes at iteration 0):
   wall times by much more than 2%, the CPU time a run itself spends much less: this
   figure says where an overhead comes from.
 Plain and parcae runs alternate, the first of each round swapped every round, so slow
-drifts in machine load hit both. The bar is judged on wall time; exits 1 if a run fails
-or the bar is missed.
+drifts in machine load hit both. The bar is judged on wall time: 2% on the median
+without snapshots (--copy-interval 0), 3% on the mean with them (issue 18: every K steps
+each worker snapshots its state and sends a copy to its buddy, one iteration in K pays
+it); exits 1 if a run fails or the bar is missed.
 
-    nice python -m benchmarks.parcae_overhead [--iterations 30] [--rounds 3] [--json PATH]
+    nice python -m benchmarks.parcae_overhead [--iterations 30] [--rounds 3] [--copy-interval K] [--json PATH]
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ BASE = ["--config", CONFIG, "--log-interval", "1"]
 PROCESSES = (1, 2)
 MODES = ("plain", "parcae")
 WARMUP = 5
-BAR_PERCENT = 2.0
+BAR_PERCENT = 2.0  # without snapshots (--copy-interval 0), on the median
+COPIES_BAR_PERCENT = 3.0  # with them, on the mean: a snapshot lands in one iteration of K
+COPIES = ["--parcae-copy-interval", "10"]  # the workers' snapshots (--copy-interval)
 RUN_LIMIT_S = 300.0
 
 
@@ -82,6 +86,13 @@ class Comparison:
     def median_ms(self, mode: str) -> float:
         return statistics.median(ms for run in self.runs[mode] for ms in run.iteration_ms)
 
+    def mean_ms(self, mode: str) -> float:
+        return statistics.fmean(ms for run in self.runs[mode] for ms in run.iteration_ms)
+
+    @property
+    def mean_wall_ratio(self) -> float:
+        return self.mean_ms("parcae") / self.mean_ms("plain")
+
     def cpu_ms(self, mode: str, part: str) -> float:
         """CPU time per counted iteration of the "training" or the "side" processes, all rounds together."""
         runs = self.runs[mode]
@@ -107,12 +118,13 @@ class Comparison:
                 for a, b in zip(self.runs["plain"], self.runs["parcae"])]
 
     def to_dict(self) -> dict:
-        modes = {mode: {"median_iteration_ms": self.median_ms(mode),
+        modes = {mode: {"median_iteration_ms": self.median_ms(mode), "mean_iteration_ms": self.mean_ms(mode),
                         "training_cpu_ms_per_iteration": self.cpu_ms(mode, "training"),
                         "side_cpu_ms_per_iteration": self.cpu_ms(mode, "side"),
                         "runs": [asdict(r) for r in self.runs[mode]]} for mode in MODES}
         return {"processes": self.processes, "layout": [1, 1, self.processes], **modes,
                 "wall_ratio": self.wall_ratio, "wall_overhead_percent": (self.wall_ratio - 1.0) * 100.0,
+                "mean_wall_overhead_percent": (self.mean_wall_ratio - 1.0) * 100.0,
                 "round_wall_ratios": self.round_ratios(),
                 "training_cpu_overhead_percent": (self.training_cpu_ratio - 1.0) * 100.0,
                 "all_cpu_overhead_percent": (self.all_cpu_ratio - 1.0) * 100.0}
@@ -294,7 +306,7 @@ def run_parcae(processes: int, iterations: int, config: Path, events: Path) -> R
         for worker in range(processes):
             workers.append(_start([sys.executable, "scripts/pretrain_gpt.py", *BASE, "--train-iters", str(iterations),
                                    "--parcae", "--parcae-etcd", server.endpoint, "--parcae-job", job,
-                                   "--parcae-worker-id", str(worker), "--parcae-events", str(events)]))
+                                   "--parcae-worker-id", str(worker), "--parcae-events", str(events), *COPIES]))
             started.append(workers[-1])
         try:
             output, events_seen, cpu_at = follow(workers, events, lambda: [w.pid for w in workers],
@@ -339,14 +351,20 @@ def report(comparisons: list[Comparison]) -> bool:
               f"{(c.training_cpu_ratio - 1) * 100:+8.2f}%   {c.cpu_ms('plain', 'side'):8.1f} "
               f"{c.cpu_ms('parcae', 'side'):8.1f}   {(c.all_cpu_ratio - 1) * 100:+7.2f}%   "
               f"{' '.join(f'{r:.3f}' for r in c.round_ratios())}")
-    worst = max((c.wall_ratio - 1.0) * 100.0 for c in comparisons)
-    print(f"--parcae costs at most {BAR_PERCENT:.0f}% per iteration (wall): {'yes' if worst <= BAR_PERCENT else 'NO'} "
+    for c in comparisons:
+        print(f"{c.processes:>2} mean wall ms per iteration: plain {c.mean_ms('plain'):.1f}, parcae "
+              f"{c.mean_ms('parcae'):.1f}, overhead {(c.mean_wall_ratio - 1) * 100:+.2f}%")
+    copies = int(COPIES[1])
+    bar = COPIES_BAR_PERCENT if copies else BAR_PERCENT
+    worst = max(((c.mean_wall_ratio if copies else c.wall_ratio) - 1.0) * 100.0 for c in comparisons)
+    print(f"--parcae{f' with snapshots every {copies} steps' if copies else ' without snapshots'} costs at most "
+          f"{bar:.0f}% per iteration (wall, {'mean' if copies else 'median'}): {'yes' if worst <= bar else 'NO'} "
           f"(worst {worst:+.2f}%)")
-    print("wall: median over all rounds of the reported per-iteration time. CPU: user + system time per counted "
+    print("wall: median (and mean) over all rounds of the reported per-iteration time. CPU: user + system time per counted "
           "iteration, all rounds together, of the training processes and of the run's other processes "
           "(plain: torchrun's agent; parcae: etcd + coordinator). round wall ratios: parcae / plain medians "
           "within each round (how far machine noise moves them).")
-    return worst <= BAR_PERCENT
+    return worst <= bar
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,12 +379,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, nargs="+", default=list(PROCESSES), metavar="N",
                         help="process counts to compare (default 1 2; one GPU takes only 1)")
     parser.add_argument("--bf16", action="store_true", help="train in bf16 (both runs)")
+    parser.add_argument("--copy-interval", type=int, default=10, metavar="K",
+                        help="the parcae workers' snapshots with buddy copies every K steps (default 10, as "
+                             "--parcae-copy-interval; 0: none). The bar is 2%% on the median without them, 3%% on "
+                             "the mean with them")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures to this file")
     args = parser.parse_args(argv)
     if args.bf16:
         BASE.append("--bf16")
-    if args.iterations <= WARMUP + 1 or args.rounds < 1 or min(args.processes) < 1:
-        parser.error(f"--iterations must exceed {WARMUP + 1}, --rounds and --processes be at least 1")
+    if args.iterations <= WARMUP + 1 or args.rounds < 1 or min(args.processes) < 1 or args.copy_interval < 0:
+        parser.error(f"--iterations must exceed {WARMUP + 1}, --rounds and --processes be at least 1, "
+                     "--copy-interval at least 0")
+    COPIES[1] = str(args.copy_interval)
 
     from megatron_parcae.training.data.corpus import prepare_tiny_datasets
 
@@ -387,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         figures_out = {
             "command": " ".join(["python -m benchmarks.parcae_overhead", *argv]),
             "config": CONFIG, "iterations": args.iterations, "warmup_iterations": WARMUP, "rounds": args.rounds,
-            "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg(), "bar_percent": BAR_PERCENT,
+            "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg(), "copy_interval": args.copy_interval,
+            "bar_percent": COPIES_BAR_PERCENT if args.copy_interval else BAR_PERCENT,
             "met": met, "results": [c.to_dict() for c in comparisons],
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

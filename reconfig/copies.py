@@ -1,7 +1,7 @@
 """Snapshots of a layout's state in host memory, each kept twice: by its worker and by a
 buddy on another instance.
 
-Every few steps (and at the first boundary of each layout) every worker of the layout
+Every few steps (and after the first step of each layout) every worker of the layout
 takes its state out of the model (`execute.export_held_state`: the distributed
 optimizer's shards are gathered, so each snapshot is its DP column's whole state), keeps
 it, and sends a copy to its buddy while receiving its ward's. A worker lost without

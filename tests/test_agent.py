@@ -134,7 +134,8 @@ def test_progress_is_written_by_the_next_boundary_outlives_the_worker_and_not_by
     agent.record_progress(3, 24)  # a step's record: sent, and answered by the next boundary
     agent.progress_written()
     assert store.progress().to_dict() | {"recorded_at": 0} == {"generation": 1, "iteration": 3,
-                                                               "consumed_samples": 24, "recorded_at": 0}
+                                                               "consumed_samples": 24, "recorded_at": 0,
+                                                               "copies": 0}
     assert store.fence_member(3)
     agent.record_progress(4, 32)
     agent.progress_written()

@@ -108,6 +108,7 @@ from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement
 
 log = logging.getLogger("parcae.coordinator")
 
+STUCK_LEASES = 3  # a live worker silent this many lease periods after its WORLD broke counts as lost
 NOTICE_BATCH_SECONDS = 1.0  # how long a forced change waits for the rest of a batch of notices (at most)
 MAX_REST_SECONDS = 0.25  # the longest rest after a reconcile (see Coordinator._lead)
 
@@ -311,6 +312,7 @@ class Coordinator:
         self._instance_of: dict[int, str] = {}  # every worker's instance, as its member record said
         self._decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self._busy_until = 0.0  # monotonic time the last migration is expected to end
+        self._broken_seen: dict[int, float] = {}  # generation -> monotonic time a worker first said it broke
         self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
         self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
         grace = optimizer.costs.constants.grace_period_seconds
@@ -599,8 +601,17 @@ class Coordinator:
                     return
         elif current is not None and view.broken:
             # Live workers that have not failed yet soon will (their next collective has a
-            # failed peer); one that never does is dead, and its lease ends.
-            if not (current.workers & view.available) - view.broken:
+            # failed peer); one that never does is dead, and its lease ends. One whose lease
+            # lives on but that stays blocked (a save's collectives wait SAVE_TIMEOUT for a
+            # peer killed mid-save) counts as lost after STUCK_LEASES lease periods.
+            waiting = (current.workers & view.available) - view.broken
+            first = self._broken_seen.setdefault(generation, time.monotonic())
+            if waiting and time.monotonic() - first > STUCK_LEASES * self._config.lease_seconds:
+                log.warning("workers %s have not reported the broken WORLD of generation %d for %.0f s: "
+                            "counting them as lost", _ids(waiting), generation, time.monotonic() - first)
+                view = dataclasses.replace(view, available=view.available - waiting, lost=view.lost | waiting)
+                waiting = frozenset()
+            if not waiting:
                 decision = self._recovery(current, view)
                 if decision.layout is None:
                     self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")

@@ -204,8 +204,12 @@ class MemberRecord(Record):
         self.shape(where)
 
     def shape(self, where: str = "member") -> ModelShape | None:
-        """The model it trains, None if not said."""
-        return None if self.model is None else _body(f"{where}.model", ModelShape, self.model)
+        """The model it trains, None if not said; parsed once (check() parses it when the
+        record is read, and the coordinator asks again for every member each reconcile)."""
+        if "_shape" not in self.__dict__:
+            object.__setattr__(self, "_shape",
+                               None if self.model is None else _body(f"{where}.model", ModelShape, self.model))
+        return self.__dict__["_shape"]
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ notice and delivers the coordinator's plans; this module applies them:
   waits for the next plan. Its state is whole at its last applied step (the training step
   makes no collective after its update), so that plan can be an in-place migration
   without the lost peer. A failure while a plan is applied drops the state instead.
-- Snapshots (reconfig/copies.py, every --parcae-copy-interval steps and at the first
-  boundary of each layout): each worker keeps its state in host memory and a copy of its
+- Snapshots (reconfig/copies.py, every --parcae-copy-interval steps and after the first
+  step of each layout): each worker keeps its state in host memory and a copy of its
   ward's. When no live worker holds some lost state (no replica, the distributed
   optimizer's shards, a failure mid-change), the next plan rolls the survivors back to
   their snapshots and fills the lost workers' slots from their buddies' copies; only
