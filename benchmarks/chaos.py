@@ -45,7 +45,7 @@ from pathlib import Path
 
 from megatron_parcae.events import PlanPublished, read_events
 from megatron_parcae.tools.compare import TOLERANCE, StateDifference, load_state
-from megatron_parcae.tools.replay import JobLog, ParcaeJob, ReplayError, fresh_workdir
+from megatron_parcae.tools.replay import JobLog, ParcaeJob, ReplayError, fresh_workdir, interrupt_on_signals
 from megatron_parcae.control.etcd import EtcdClient, EtcdError, JobStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("chaos"))
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     args = parser.parse_args(argv)
+    interrupt_on_signals()  # SIGTERM stops the run's processes as Ctrl-C does
     if args.runs < 1 or args.iterations < 1 or args.save_interval < 1 or args.kills < 0 or args.copy_interval < 0:
         parser.error("--runs, --iterations and --save-interval must be positive, --kills and --copy-interval at "
                      "least 0")
@@ -327,4 +328,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("chaos: interrupted; every process it started is stopped", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -717,17 +717,23 @@ def fresh_workdir(path: Path) -> None:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    """SIGTERM or SIGHUP ends the replay as Ctrl-C does: the job's processes are stopped.
+    """SIGTERM or SIGHUP ends the program as Ctrl-C does: the job's processes are stopped.
     Further signals are ignored while that happens, so the clean-up is not cut short."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
-def run(args: argparse.Namespace) -> int:
-    prog = "parcae replay"
+def interrupt_on_signals() -> None:
+    """Make SIGTERM and SIGHUP raise KeyboardInterrupt, so that a program driving jobs
+    (replay, the chaos benchmark) stops the processes it started on any of them."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+
+
+def run(args: argparse.Namespace) -> int:
+    prog = "parcae replay"
+    interrupt_on_signals()
     try:
         return _replay_and_compare(args, prog)
     except KeyboardInterrupt:

@@ -135,6 +135,7 @@ class LiveReconfiguration:
         self.snapshots = SnapshotStore() if args.parcae_copy_interval else None
         self._copy_holders: dict[int, int] = {}  # of the running layout: worker -> keeper of its copy
         self._broken_at = 0  # the newest generation whose WORLD broke under this worker
+        self._copies_generation = 0  # of the layout's newest snapshots (some joiners hold none), 0: none
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -182,6 +183,7 @@ class LiveReconfiguration:
         ward = next((w for w, h in holders.items() if h == me), None)
         snapshot = self.snapshots.take(runtime, self.world, self.generation, iteration, consumed_samples,
                                        holders.get(me), ward)
+        self._copies_generation = self.generation
         if first and dist.get_rank() == 0:
             events.report(events.CopiesKept(self.generation, iteration, self.args.parcae_copy_interval,
                                             snapshot.nbytes() / 2**20, time.perf_counter() - started,
@@ -194,7 +196,7 @@ class LiveReconfiguration:
         rank 0's logging, which otherwise overlaps their next step."""
         if dist.get_rank() == 0:
             self.agent.record_progress(consumed_samples // self.samples_per_iteration, consumed_samples,
-                                       copies=0 if self.snapshots is None else self.snapshots.generation)
+                                       copies=self._copies_generation)
         self._agreed = self._agree()
 
     def _agree(self) -> tuple[int, bool]:
@@ -444,6 +446,11 @@ class LiveReconfiguration:
         if runtime is None:
             return runtime, consumed_samples
         self._copy_holders = envelope.holders()
+        # The snapshots the layout's workers hold until they take its own: a joiner that is
+        # rank 0 holds none, but records their generation for the coordinator.
+        held = planes.control_tensor([0 if self.snapshots is None else self.snapshots.generation])
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        self._copies_generation = int(held[0])
         measure_network(self.store, plan.new, envelope.generation, collective_timeout(self.args))  # once per job
         if dist.get_rank() == 0:
             figures = change_figures(plan, started)
@@ -453,7 +460,7 @@ class LiveReconfiguration:
                                                            source, figures.rolled_back_samples // gbs))
             if request.copies is not None:  # training went back: the job's progress is here now
                 self.agent.record_progress(consumed_samples // gbs, consumed_samples, envelope.generation,
-                                           copies=self.snapshots.generation)
+                                           copies=self._copies_generation)
             # The coordinator refits its cost model on these. A worker that held no running
             # layout began timing before its peers' last step ended: not the change's time.
             if handed_over:
@@ -507,6 +514,7 @@ class LiveReconfiguration:
             release_runtime(runtime)
         if self.snapshots is not None:
             self.snapshots = SnapshotStore()  # of a past the job went back from
+        self._copies_generation = 0
         if self.world.worker not in layout.workers:
             self.world.leave()
             # Training goes back to a checkpoint without this worker: what it knew is no
