@@ -27,24 +27,11 @@ import torch.distributed as dist
 
 from reconfig import planes
 from reconfig.execute import Counters, HeldState, MigrationError, Runtime, export_held_state
-from reconfig.layout import Layout
 from reconfig.optimizer_state import STATE_KEYS, LossScale
-from reconfig.placement import Placement
 from reconfig.tensors import ParamShard
 from reconfig.world import World
 
 _TAG = 7_000_000  # apart from the tags of a migration's transfers
-
-
-def copy_holders(layout: Layout, placement: Placement) -> dict[int, int]:
-    """worker -> its buddy: the worker G ranks on (G GPUs an instance), which is on the
-    next instance of the layout, so no instance holds its own copy. Empty for a layout on
-    one instance."""
-    g, slots = placement.gpus_per_instance, layout.slots
-    if len(slots) <= g:
-        return {}
-    holders = {w: slots[(r + g) % len(slots)] for r, w in enumerate(slots)}
-    return {w: h for w, h in holders.items() if placement.instance(w) != placement.instance(h)}
 
 
 @dataclass

@@ -134,3 +134,14 @@ class Placement:
 
 
 ONE_GPU = Placement()
+
+
+def copy_holders(layout: Layout, placement: Placement) -> dict[int, int]:
+    """worker -> its buddy: the worker G ranks on (G GPUs an instance), which is on the
+    next instance of the layout, so no instance holds its own copy. Empty for a layout on
+    one instance."""
+    g, slots = placement.gpus_per_instance, layout.slots
+    if len(slots) <= g:
+        return {}
+    holders = {w: slots[(r + g) % len(slots)] for r, w in enumerate(slots)}
+    return {w: h for w, h in holders.items() if placement.instance(w) != placement.instance(h)}

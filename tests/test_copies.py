@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import SHAPE
-from reconfig.copies import copy_holders
 from reconfig.layout import Layout, Parallelism
-from reconfig.placement import ONE_GPU, Placement
+from reconfig.placement import ONE_GPU, Placement, copy_holders
 from reconfig.plan import Copies, LostStateError, MigrationPlan, MigrationRequest, plan_migration
 
 

@@ -70,3 +70,14 @@ def test_rooms_import_only_rooms_below_them():
     wrong = {(m, d) for m, deps in graph.items() if _room(m) for d in deps
              if _room(d) and _room(d) != _room(m) and RANKS[_room(d)] >= RANKS[_room(m)]}
     assert not wrong, sorted(wrong)
+
+
+def test_the_coordinator_loads_without_torch():
+    """The coordinator runs beside etcd, off the training hosts: it plans with reconfig's
+    plain-data modules and must not load torch (hundreds of MiB, seconds of start-up)."""
+    import subprocess
+    import sys
+
+    probe = "import sys, megatron_parcae.control.coordinator; print('torch' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "False", found.stderr[-2000:]

@@ -102,9 +102,8 @@ from megatron_parcae.scalars import ScalarBackend
 from predictor.forecast import FORECASTERS, AvailabilityForecast, Forecaster, make_forecaster
 from predictor.rates import RATES, ForecastRates, make_rates
 from reconfig.layout import Layout, ModelShape
-from reconfig.copies import copy_holders
 from reconfig.plan import Copies, MigrationPlan
-from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement
+from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement, copy_holders
 
 log = logging.getLogger("parcae.coordinator")
 
