@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from reconfig import planes
-from reconfig.execute import Counters, HeldState, MigrationError, Runtime, export_held_state
+from reconfig.execute import Counters, HeldState, MigrationError, Runtime, export_held_state, framed
 from reconfig.optimizer_state import STATE_KEYS, LossScale
 from reconfig.tensors import ParamShard
 from reconfig.world import World
@@ -73,8 +73,8 @@ def _header(snapshot: Snapshot) -> tuple[bytes, torch.Tensor]:
     held, names = snapshot.own, sorted(snapshot.own.tensors)
     scale = held.counters.loss_scale
     header = {
-        "generation": snapshot.generation, "iteration": snapshot.iteration,
-        "consumed_samples": snapshot.consumed_samples, "tp_rank": held.tp_rank, "tp_size": held.tp_size,
+        "generation": snapshot.generation, "iteration": snapshot.iteration, "tp_rank": held.tp_rank,
+        "tp_size": held.tp_size,
         "step": held.counters.step, "scheduler_steps": held.counters.scheduler_steps,
         "loss_scale": None if scale is None else [scale.scale, scale.growth_tracker, scale.hysteresis_tracker],
         "params": [[n, list(held.tensors[n]["param"].shape), held.shards[n].partition_dim,
@@ -151,17 +151,15 @@ class SnapshotStore:
         rank_of = {w: r for r, w in enumerate(world.members)}
         sends = []
         if buddy is not None:
-            header, payload = _header(snapshot)
-            messages = [planes.control_tensor([len(header), payload.numel()]), planes.control_bytes(header),
-                        planes.on_data_plane(payload)]
-            sends = [dist.isend(m, rank_of[buddy], tag=_TAG + i) for i, m in enumerate(messages)]
+            sends = [dist.isend(m, rank_of[buddy], tag=_TAG + i) for i, m in enumerate(framed(*_header(snapshot)))]
         if ward is not None:
             sizes = planes.control_buffer(2, torch.int64)
             dist.recv(sizes, rank_of[ward], tag=_TAG)
             header = planes.control_buffer(int(sizes[0]), torch.uint8)
             payload = planes.data_buffer(int(sizes[1]), torch.float32)
             dist.recv(header, rank_of[ward], tag=_TAG + 1)
-            dist.recv(payload, rank_of[ward], tag=_TAG + 2)
+            if payload.numel():
+                dist.recv(payload, rank_of[ward], tag=_TAG + 2)
             payload = planes.host_copy(payload)
             planes.host_copies_done()
             snapshot.ward_state = _parse(header.numpy().tobytes(), payload, ward, generation, iteration)

@@ -168,6 +168,15 @@ def _parse_header(raw: bytes, src: int, expected: int) -> list[tuple[str, str, i
     return [tuple(e) for e in entries]
 
 
+def framed(header: bytes, payload: torch.Tensor) -> list[torch.Tensor]:
+    """A JSON header and its fp32 payload as the messages a peer receives them in (tags
+    t, t + 1, t + 2): their sizes and the header on the control plane, the payload on the
+    data plane; an empty payload is not sent, the sizes say so."""
+    payload = planes.on_data_plane(payload.float())
+    messages = [planes.control_tensor([len(header), payload.numel()]), planes.control_bytes(header)]
+    return messages + ([payload] if payload.numel() else [])
+
+
 def _exchange(plan: MigrationPlan, world: World, held: HeldState | None,
               copies: dict[int, HeldState]) -> list[_Received]:
     """Send and receive this worker's transfers; three messages each: sizes, header, payload.
@@ -185,9 +194,7 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None,
                 local += [_Received(n, k, t.split_range, t.shard_range, v) for n, k, v in items]
                 continue
             header = json.dumps([[n, k, v.numel()] for n, k, v in items]).encode()
-            payload = planes.on_data_plane(torch.cat([v for _, _, v in items]).float())
-            messages = [planes.control_tensor([len(header), payload.numel()]), planes.control_bytes(header)]
-            messages += [payload] if payload.numel() else []
+            messages = framed(header, torch.cat([v for _, _, v in items]))
             sends += [dist.isend(m, rank_of[t.dst], tag=3 * index + i) for i, m in enumerate(messages)]
         if t.dst == me and t.src != me:
             sizes = planes.control_buffer(2, torch.int64)

@@ -259,7 +259,7 @@ class MemberView:
     state_kept: bool  # every broken worker still holds its state of the layout
     placement: Placement  # the instances of the members (and of the layout's lost workers)
     notices: dict[int, NoticeRecord]  # of the members
-    noticed: frozenset[int] = frozenset()  # members under a notice whose deadline has not passed
+    noticed: frozenset[int]  # members under a notice whose deadline has not passed
 
 
 class Coordinator:
@@ -311,7 +311,7 @@ class Coordinator:
         self._instance_of: dict[int, str] = {}  # every worker's instance, as its member record said
         self._decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self._busy_until = 0.0  # monotonic time the last migration is expected to end
-        self._broken_seen: dict[int, float] = {}  # generation -> monotonic time a worker first said it broke
+        self._broken_seen: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a worker first said it broke)
         self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
         self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
         grace = optimizer.costs.constants.grace_period_seconds
@@ -604,7 +604,9 @@ class Coordinator:
             # lives on but that stays blocked (a save's collectives wait SAVE_TIMEOUT for a
             # peer killed mid-save) counts as lost after STUCK_LEASES lease periods.
             waiting = (current.workers & view.available) - view.broken
-            first = self._broken_seen.setdefault(generation, time.monotonic())
+            if self._broken_seen[0] != generation:
+                self._broken_seen = (generation, time.monotonic())
+            first = self._broken_seen[1]
             if waiting and time.monotonic() - first > STUCK_LEASES * self._config.lease_seconds:
                 log.warning("workers %s have not reported the broken WORLD of generation %d for %.0f s: "
                             "counting them as lost", _ids(waiting), generation, time.monotonic() - first)
@@ -852,11 +854,12 @@ class Coordinator:
         for what was lost (a worker and its buddy both gone)."""
         progress = self._store.progress()
         envelope = None if progress is None or not progress.copies else self._store.plan(progress.copies)
-        if envelope is None or envelope.action != TRAIN or not envelope.holders():
+        holders = {} if envelope is None or envelope.action != TRAIN else envelope.holders()
+        if not holders:
             return None
         layout = Layout.from_dict(envelope.layout)
         decision = self._decide(layout, view.available, self._forecast, view.noticed & layout.workers,
-                                placement=view.placement, copies=Copies(envelope.generation, envelope.holders()))
+                                placement=view.placement, copies=Copies(envelope.generation, holders))
         return decision if decision.plan is not None else None
 
     def _publish_decision(self, generation: int, decision: Decision, current: Layout | None, view: MemberView,
