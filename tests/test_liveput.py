@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from megatron.core.parallel_state import RankGenerator, default_embedding_ranks
 
+from megatron_parcae.control.coordinator import ConfigError, CoordinatorConfig
 from megatron_parcae.liveput.cost import (
     DEFAULT_CONSTANTS,
     CostConstants,
@@ -29,6 +30,9 @@ from megatron_parcae.liveput.optimizer import OVERRUN_GRID, LiveputOptimizer, ou
 from megatron_parcae.liveput.scenarios import (
     ScenarioCosts,
     StepOutlook,
+    SuddenLosses,
+    canonical_placement,
+    copies_recovery_probability,
     instances_used,
     preemption_distribution,
     victims_distribution,
@@ -37,7 +41,8 @@ from megatron_parcae.liveput.scenarios import (
 from megatron_parcae.liveput.throughput import ForModels, OnInstances, PipelineModel, ProfileError, ProfileTable
 from predictor.forecast import AvailabilityForecast
 from reconfig.layout import Layout, ModelShape, Parallelism, balanced_partition
-from reconfig.plan import MigrationRequest, plan_migration
+from reconfig.placement import copy_holders
+from reconfig.plan import Copies, LostStateError, MigrationRequest, plan_migration
 
 import helpers
 
@@ -352,10 +357,15 @@ def test_wipe_probability_matches_sampling():
     assert wipe_probability(4, 3, 2) == 0.0
 
 
-@pytest.mark.parametrize("gpus, grace, model", [(1, 120, MigrationCostModel), (2, 120, MigrationCostModel),
-                                                (2, 0, MigrationCostModel), (1, 120, ParcaeCostModel),
-                                                (1, 0, ParcaeCostModel)])
-def test_change_floor_is_below_every_priced_change(gpus, grace, model):
+SUDDEN = SuddenLosses(0.5, copy_interval=10, save_interval=100)
+
+
+@pytest.mark.parametrize("gpus, grace, model, sudden, distributed", [
+    (1, 120, MigrationCostModel, SuddenLosses(), False), (2, 120, MigrationCostModel, SuddenLosses(), False),
+    (2, 0, MigrationCostModel, SuddenLosses(), False), (1, 120, ParcaeCostModel, SuddenLosses(), False),
+    (1, 0, ParcaeCostModel, SuddenLosses(), False), (1, 120, MigrationCostModel, SUDDEN, False),
+    (2, 120, MigrationCostModel, SUDDEN, True)])
+def test_change_floor_is_below_every_priced_change(gpus, grace, model, sudden, distributed):
     """The optimizer skips a change by its floor, so no priced change may cost less."""
     sizes = [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 2),
              (1, 4, 2), (2, 4, 1)]
@@ -363,7 +373,7 @@ def test_change_floor_is_below_every_priced_change(gpus, grace, model):
         sizes = [s for s in sizes if s[0] == 1] + [(1, 1, 3), (1, 2, 3), (1, 1, 4)]
     table = OnInstances(ProfileTable({key: float(i + 1) for i, key in enumerate(sizes)}, "tiny", 12, TINY), gpus)
     constants = dataclasses.replace(CONSTANTS, grace_period_seconds=grace)
-    scenarios = ScenarioCosts(table, model(constants, TINY), gpus)
+    scenarios = ScenarioCosts(table, model(constants, TINY), gpus, sudden, distributed)
     for old, new in itertools.product(table.layouts(), repeat=2):
         floor = scenarios.change_floor(old, new)
         assert scenarios.change_floor(None, new) <= floor
@@ -528,3 +538,133 @@ def test_a_change_longer_than_an_interval_stalls_the_next_layouts(workers, best)
     grown = (smallest,) + decision.path[1:]
     start = optimizer.costs.restart_cost(smallest, joining=True, cold=True).seconds
     assert replayed_samples(optimizer, grown, start) < decision.expected_samples
+
+
+# ---- preemptions without notice ------------------------------------------------------------------
+
+def all_scenario_seconds(scenarios: ScenarioCosts) -> list[float]:
+    layouts = scenarios.throughput.layouts()
+    return [scenarios.preempted_seconds(old, new, instances, preempted)
+            for old, new in itertools.product(layouts, repeat=2)
+            for instances in (old.world_size, old.world_size + 1) for preempted in range(3)]
+
+
+@pytest.mark.parametrize("grace", [120, 0])
+def test_no_sudden_share_prices_every_scenario_as_before(grace):
+    """share 0: the snapshot and save intervals and the optimizer's kind change nothing."""
+    costs = MigrationCostModel(dataclasses.replace(CONSTANTS, grace_period_seconds=grace), TINY)
+    before = all_scenario_seconds(ScenarioCosts(tiny_table(), costs))
+    assert all_scenario_seconds(ScenarioCosts(tiny_table(), costs, 1, SuddenLosses(0.0, 10, 100), True)) == before
+    assert max(before) > 0
+
+
+def liveput_drop(sudden: SuddenLosses, key: tuple[int, int, int], distributed: bool = False) -> float:
+    """Share of a layout's throughput lost to one expected preemption of its instances."""
+    table = tiny_table()
+    layout = next(p for p in table.layouts() if (p.tp, p.pp, p.dp) == key)
+    scenarios = ScenarioCosts(table, MigrationCostModel(CONSTANTS, TINY), 1, sudden, distributed)
+    step = StepOutlook(layout.world_size, ((1.0, 1),))
+    return 1 - scenarios.liveput(layout, layout.world_size, step) / table.samples_per_second(layout)
+
+
+def test_sudden_losses_cost_a_layout_without_replicas_most_and_snapshots_less():
+    noticed = {key: liveput_drop(SuddenLosses(), key) for key in ((1, 2, 1), (1, 1, 2))}
+    sudden = {key: liveput_drop(SuddenLosses(0.5, 0, 100), key) for key in ((1, 2, 1), (1, 1, 2))}
+    # a lost stage of a pipeline restarts from the checkpoint and retrains 50 steps; a replica saves D = 2
+    assert sudden[1, 2, 1] - noticed[1, 2, 1] > sudden[1, 1, 2] - noticed[1, 1, 2] + 0.5
+    with_copies = liveput_drop(SuddenLosses(0.5, 10, 100), (1, 2, 1))
+    assert noticed[1, 2, 1] < with_copies < sudden[1, 2, 1]
+
+
+def test_the_distributed_optimizer_loses_state_with_any_sudden_loss():
+    """Its shards exist once, so even D = 2 restarts (no snapshots) and retrains half a
+    save interval, steps of 12 samples at 1.9 samples/s."""
+    table = tiny_table()
+    replicated = next(p for p in table.layouts() if (p.tp, p.pp, p.dp) == (1, 1, 2))
+    costs = MigrationCostModel(CONSTANTS, TINY)
+    sudden = SuddenLosses(1.0, 0, 100)
+    plain = ScenarioCosts(table, costs, 1, sudden).preempted_seconds(replicated, replicated, 2, 1)
+    sharded = ScenarioCosts(table, costs, 1, sudden, True).preempted_seconds(replicated, replicated, 2, 1)
+    restart = costs.restart_cost(replicated, joining=True).seconds
+    assert sharded == pytest.approx(restart + 50 * 12 / 1.9)
+    lost = ScenarioCosts(table, costs).change_cost(Layout(replicated, (0, 1)), frozenset({1}), frozenset(), replicated)
+    assert plain == pytest.approx(lost.seconds) and plain < restart
+    with_copies = ScenarioCosts(table, costs, 1, SuddenLosses(1.0, 10, 100), True)
+    assert with_copies.preempted_seconds(replicated, replicated, 2, 1) < sharded
+
+
+@pytest.mark.parametrize("key, gpus", [((1, 2, 1), 1), ((1, 4, 1), 1), ((1, 2, 2), 1), ((1, 2, 3), 1),
+                                       ((1, 1, 3), 1), ((1, 4, 2), 2), ((2, 2, 2), 2), ((1, 2, 3), 4)])
+def test_copies_recovery_probability_is_what_the_planner_recovers(key, gpus):
+    """Over every set of lost instances of a canonical layout that the survivors cannot
+    make up for: the share from which plan.Copies (each worker's copy on its buddy) can."""
+    p = Parallelism(*key, balanced_partition(4, key[1]))
+    used = instances_used(p, gpus)
+    layout = Layout(p, tuple(range(p.world_size)))
+    holders = copy_holders(layout, canonical_placement(gpus, used * gpus))
+    checked = 0
+    for distributed in (False, True):
+        for victims in range(1, used + 1):
+            placement = canonical_placement(gpus, (used + victims) * gpus)
+            joining = frozenset(range(p.world_size, (used + victims) * gpus))
+
+            def planned(survivors: frozenset[int], copies: Copies | None) -> bool:
+                request = MigrationRequest(layout, survivors, frozenset(), joining, distributed, placement, copies)
+                try:
+                    plan_migration(request, p, TINY)
+                except LostStateError:
+                    return False
+                return True
+
+            lost = recovered = 0
+            for gone in itertools.combinations(range(used), victims):
+                survivors = frozenset(r for r in range(p.world_size) if r // gpus not in gone)
+                if not planned(survivors, None):
+                    lost += 1
+                    recovered += planned(survivors, Copies(1, holders))
+            if lost:  # with the plain optimizer, the survivors of a few instances still hold every stage
+                assert copies_recovery_probability(p, gpus, victims, distributed) == pytest.approx(recovered / lost)
+                checked += 1
+    assert checked > used  # every count of victims with the distributed optimizer, and some without
+
+
+def test_sudden_losses_reject_bad_values(tmp_path):
+    for share in (-0.1, 1.5, math.nan, True, "0.2"):
+        with pytest.raises(ValueError, match="sudden share: expected a probability from 0 to 1"):
+            SuddenLosses(share)
+    for steps in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="copy interval: expected a whole number of steps"):
+            SuddenLosses(0.5, steps)
+        with pytest.raises(ValueError, match="save interval: expected a whole number of steps"):
+            SuddenLosses(0.5, 10, steps)
+    unbatched = ProfileTable(TINY_RATES, "tiny", 0, TINY)
+    with pytest.raises(ValueError, match="needs the global batch size; the tiny profile names none"):
+        build_liveput(unbatched, CONSTANTS, lookahead=2, distributed_optimizer=False, sudden=SUDDEN)
+    ScenarioCosts(unbatched, MigrationCostModel(CONSTANTS, TINY), 1, SuddenLosses(0.5, 0, 0))  # prices no step
+    profile = f"{ANCHORS}/gpt-1.5b.csv"
+    for key, value, message in [("sudden-share", 2, "expected a probability from 0 to 1, got 2"),
+                                ("sudden-share", "half", "expected a probability from 0 to 1, got 'half'"),
+                                ("copy-interval", -1, "expected a number of steps from 0"),
+                                ("save-interval", 1.5, "expected a number of steps from 0")]:
+        with pytest.raises(ConfigError, match=f"^cfg: {key}: {message}"):
+            CoordinatorConfig.from_dict({"profile": profile, key: value}, "cfg", tmp_path)
+    config = CoordinatorConfig.from_dict({"profile": profile, "sudden-share": 0.25, "copy-interval": 0,
+                                          "save-interval": 200}, "cfg", tmp_path)
+    assert config.optimizer().scenarios.sudden == SuddenLosses(0.25, 0, 200)
+    assert CoordinatorConfig.from_dict({"profile": profile}, "cfg", tmp_path).optimizer().scenarios.sudden == \
+        SuddenLosses()
+
+
+def test_sudden_losses_turn_the_decision_toward_replicas():
+    """Two workers, a preemption each coming interval (and a replacement): a pipeline
+    (1, 2, 1) trains a little faster than two replicas (1, 1, 2); when most preemptions
+    come without notice a lost stage restarts from the checkpoint, so replicas win."""
+    table = ProfileTable({(1, 1, 1): 1.0, (1, 2, 1): 2.0, (1, 1, 2): 1.9}, "tiny", 12, TINY)
+    forecast = certain_forecast([2, 2], [1, 1])
+    chosen = {}
+    for share in (0.0, 0.9):
+        optimizer = LiveputOptimizer(table, MigrationCostModel(CONSTANTS, TINY), 3,
+                                     sudden=SuddenLosses(share, 10, 100))
+        layout = optimizer.decide(None, range(2), forecast).layout.parallelism
+        chosen[share] = (layout.tp, layout.pp, layout.dp)
+    assert chosen == {0.0: (1, 2, 1), 0.9: (1, 1, 2)}

@@ -16,6 +16,7 @@ from megatron_parcae.cli import main
 from megatron_parcae.control.coordinator import CoordinatorConfig
 from megatron_parcae.liveput.cost import CostConstants, ParcaeCostModel
 from megatron_parcae.liveput.factory import build_liveput
+from megatron_parcae.liveput.scenarios import SuddenLosses
 from megatron_parcae.tools import simulate
 from megatron_parcae.tools.simulate import Replay, Simulation
 from megatron_parcae.tools.plan import Sizer, cycled
@@ -144,6 +145,8 @@ def test_simulate_plot(tmp_path, capsys):
     (["--trace", P3, "--profile", GPT, "--start-hour", "20", "--end-hour", "21"], "select no interval"),
     (["--trace", P3, "--profile", GPT, "--lookahead", "0"], "--lookahead must be at least 1"),
     (["--trace", P3, "--profile", GPT, "--draws", "0"], "--draws must be at least 1"),
+    (["--trace", P3, "--profile", GPT, "--sudden-share", "1.5"], "sudden share: expected a probability from 0 to 1"),
+    (["--trace", P3, "--profile", GPT, "--save-interval", "-10"], "save interval: expected a whole number of steps"),
     (["--trace", P3, "--profile", GPT, "--policies", "ideal", "--rates", "constant"], "add parcae to --policies"),
     (["--trace", P3, "--profile", GPT, "--model", "gpt-175b"], "no shape for model 'gpt-175b'"),
     (["--trace", P3, "--profile", str(helpers.REPO / "configs/profiles/gpt-1.5b-h100-tp.json"),
@@ -240,13 +243,16 @@ def test_simulator_builds_the_coordinators_optimizer(tmp_path):
     profile.write_text("# model=gpt-1.5b global_batch_size=128\n"
                        "data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,8,3000,40\n2,8,3100,80\n")
     config = tmp_path / "coordinator.yaml"
-    config.write_text(yaml.safe_dump({"profile": str(profile), "lookahead": 3, "distributed-optimizer": True}))
+    config.write_text(yaml.safe_dump({"profile": str(profile), "lookahead": 3, "distributed-optimizer": True,
+                                      "sudden-share": 0.2, "copy-interval": 5, "save-interval": 100}))
     parser = argparse.ArgumentParser()
     simulate.add_arguments(parser)
     args = parser.parse_args(["--trace", write_flat_trace(tmp_path / "trace.csv", 16, 10), "--profile", str(profile),
-                              "--lookahead", "3", "--distributed-optimizer"])
+                              "--lookahead", "3", "--distributed-optimizer", "--sudden-share", "0.2",
+                              "--copy-interval", "5", "--save-interval", "100"])
     live, simulated = CoordinatorConfig.load(config).optimizer(), simulate.build(args)[1].optimizer()
     for optimizer in (live, simulated):
         assert optimizer.horizon == 3 and optimizer.distributed_optimizer
+        assert optimizer.scenarios.sudden == SuddenLosses(0.2, 5, 100) and optimizer.scenarios.distributed_optimizer
     assert live.throughput.layouts() == simulated.throughput.layouts()
     assert live.costs.constants == simulated.costs.constants and live.costs.shape == simulated.costs.shape

@@ -94,7 +94,7 @@ from megatron_parcae.control.etcd.keys import (
     NoticeRecord,
     ProfileRecord,
 )
-from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, build_liveput
+from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, SuddenLosses, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, MigrationCostModel, PhaseRates
 from megatron_parcae.liveput.learned import ThroughputLearner
 from megatron_parcae.liveput.throughput import ForModels, ProfileError, ThroughputModel
@@ -137,6 +137,9 @@ class CoordinatorConfig:
     forecaster: str = "default"  # predictor.forecast.FORECASTERS: availability over the lookahead
     rates: str = "none"  # predictor.rates.RATES: expected preemptions from a rate model, not the forecaster
     tensorboard_dir: Path | None = None  # where each interval's forecast and liveput go as TensorBoard scalars
+    sudden_share: float = 0.0  # share of preemptions that come without notice (liveput/scenarios.SuddenLosses)
+    copy_interval: int = SuddenLosses.copy_interval  # the workers' --parcae-copy-interval (0: no snapshots)
+    save_interval: int = 0  # the workers' --save-interval (0: unknown)
 
     @classmethod
     def load(cls, path: str | Path) -> CoordinatorConfig:
@@ -188,6 +191,15 @@ class CoordinatorConfig:
                 if not isinstance(value, bool):
                     raise ConfigError(f"{where}: {key}: expected true or false, got {value!r}")
                 values[name] = value
+            elif name == "sudden_share":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                    raise ConfigError(f"{where}: {key}: expected a probability from 0 to 1, got {value!r}")
+                values[name] = float(value)
+            elif name in ("copy_interval", "save_interval"):
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1_000_000_000:
+                    raise ConfigError(f"{where}: {key}: expected a number of steps from 0 to 1000000000, "
+                                      f"got {value!r}")
+                values[name] = value
             elif name in ("lookahead", "max_workers", "min_workers", "gpus_per_instance"):
                 top = MAX_GPUS_PER_INSTANCE if name == "gpus_per_instance" else 1_000_000
                 if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
@@ -207,7 +219,8 @@ class CoordinatorConfig:
         (liveput/factory.py), on the profile or on `throughput` made of it (learned from
         step reports, kept to the workers' models), pricing changes by the constants (on
         the `network` the workers measured, once they have) or by `phase_rates` (fitted on
-        the changes' measured phases)."""
+        the changes' measured phases), with preemptions that give no notice priced by
+        sudden-share, copy-interval and save-interval."""
         constants = CostConstants.load(self.cost_constants)
         constants = dataclasses.replace(
             constants,
@@ -218,7 +231,8 @@ class CoordinatorConfig:
             constants = constants.on_network(network.latency_seconds, network.bytes_per_second)
         return build_liveput(throughput or self.profile, constants, model=self.model, max_workers=self.max_workers,
                              lookahead=self.lookahead, distributed_optimizer=self.distributed_optimizer,
-                             gpus_per_instance=self.gpus_per_instance, phase_rates=phase_rates).optimizer()
+                             gpus_per_instance=self.gpus_per_instance, phase_rates=phase_rates,
+                             sudden=SuddenLosses(self.sudden_share, self.copy_interval, self.save_interval)).optimizer()
 
 
 def _existing_file(where: str, key: str, value: Any, base: Path) -> Path:
@@ -494,7 +508,7 @@ class Coordinator:
         placement = self._placement(members, in_layout)
         expired = self._expired(notices, placement, now)
         noticed, unplaced = frozenset(notices), frozenset()
-        if placement is not ONE_GPU:  # a notice, or a loss, concerns the whole instance
+        if placement.gpus_per_instance > 1:  # a notice, or a loss, concerns the whole instance
             going = {placement.instance(w) for w in noticed}
             going |= {placement.instance(w) for w in in_layout - frozenset(members)}
             gone = {placement.instance(w) for w in expired}
@@ -958,7 +972,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
                              "lease-seconds, max-workers, min-workers, distributed-optimizer, gpus-per-instance, "
-                             "forecaster, rates, tensorboard-dir (see CoordinatorConfig)")
+                             "forecaster, rates, tensorboard-dir, sudden-share, copy-interval, save-interval "
+                             "(see CoordinatorConfig)")
     parser.add_argument("--events", default=None, metavar="FILE",
                         help="append each published plan to FILE as a JSON line (megatron_parcae/events.py)")
 

@@ -8,10 +8,11 @@ The live coordinator, the spot emulator and the simulator all build them with
 from megatron_parcae.liveput.cost import CostConstants, MigrationCost, MigrationCostModel
 from megatron_parcae.liveput.factory import LiveputStack, build_liveput
 from megatron_parcae.liveput.optimizer import Decision, LiveputOptimizer
-from megatron_parcae.liveput.scenarios import ScenarioCosts, StepOutlook
+from megatron_parcae.liveput.scenarios import ScenarioCosts, StepOutlook, SuddenLosses
 from megatron_parcae.liveput.throughput import PipelineModel, ProfileTable, ThroughputModel
 
 __all__ = [
     "CostConstants", "Decision", "LiveputOptimizer", "LiveputStack", "MigrationCost", "MigrationCostModel",
-    "PipelineModel", "ProfileTable", "ScenarioCosts", "StepOutlook", "ThroughputModel", "build_liveput",
+    "PipelineModel", "ProfileTable", "ScenarioCosts", "StepOutlook", "SuddenLosses", "ThroughputModel",
+    "build_liveput",
 ]

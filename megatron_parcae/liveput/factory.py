@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_parcae.liveput.cost import COST_MODELS, CostConstants, MigrationCostModel, PhaseRates
 from megatron_parcae.liveput.optimizer import LiveputOptimizer
+from megatron_parcae.liveput.scenarios import SuddenLosses
 from megatron_parcae.liveput.throughput import OnInstances, ThroughputModel, load_profile
 
 
@@ -35,6 +36,7 @@ class LiveputStack:
     distributed_optimizer: bool  # the job trains with --use-distributed-optimizer
     gpus_per_instance: int  # G: workers per instance, the unit that is preempted and counted
     candidates: int  # layouts the optimizer weighs per instance count
+    sudden: SuddenLosses = SuddenLosses()  # preemptions without notice, and what recovers them
 
     @property
     def constants(self) -> CostConstants:
@@ -44,13 +46,13 @@ class LiveputStack:
         """A new optimizer; it caches plans and costs, so keep one per job or simulated run."""
         return LiveputOptimizer(self.throughput, self.costs, self.lookahead, self.candidates,
                                 distributed_optimizer=self.distributed_optimizer,
-                                gpus_per_instance=self.gpus_per_instance)
+                                gpus_per_instance=self.gpus_per_instance, sudden=self.sudden)
 
 
 def build_liveput(profile: str | Path | ThroughputModel, constants: CostConstants, *, lookahead: int,
                   distributed_optimizer: bool, model: str | None = None, max_workers: int | None = None,
                   gpus_per_instance: int = 1, cost_model: str = "megatron-parcae",
-                  phase_rates: PhaseRates | None = None) -> LiveputStack:
+                  phase_rates: PhaseRates | None = None, sudden: SuddenLosses = SuddenLosses()) -> LiveputStack:
     """The stack for `profile`: a throughput model, or a file `load_profile` reads (a CSV
     table takes its shape from `constants` under `model`; a layer profile enumerates
     layouts on up to `max_workers` workers), on instances of `gpus_per_instance` GPUs:
@@ -58,7 +60,9 @@ def build_liveput(profile: str | Path | ThroughputModel, constants: CostConstant
     names who prices a change (`COST_MODELS`): "megatron-parcae", what this project's
     executor does, or "parcae", what Parcae's artifact charges (T = 1 layouts only).
     `phase_rates`: the executor's phases as the job measured them (`MigrationCostModel.fitted`;
-    the live coordinator's), not as the constants price them."""
+    the live coordinator's), not as the constants price them. `sudden`: the share of
+    preemptions that come without notice, and the snapshot and checkpoint intervals that
+    say what they cost (scenarios.SuddenLosses; the default prices each as noticed)."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"unknown cost model {cost_model!r}; known: {', '.join(COST_MODELS)}")
     if phase_rates and cost_model != "megatron-parcae":
@@ -71,5 +75,6 @@ def build_liveput(profile: str | Path | ThroughputModel, constants: CostConstant
                          "the profile has layouts with T > 1")
     costs = MigrationCostModel(constants, throughput.model_shape, phase_rates) if phase_rates else \
         COST_MODELS[cost_model](constants, throughput.model_shape)
+    sudden.check_batch(throughput)
     return LiveputStack(throughput, costs, lookahead, distributed_optimizer, gpus_per_instance,
-                        CANDIDATES[cost_model])
+                        CANDIDATES[cost_model], sudden)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from megatron_parcae.liveput.cost import NO_COST, MigrationCost, MigrationCostModel
-from megatron_parcae.liveput.scenarios import ScenarioCosts, StepOutlook, preemption_distribution
+from megatron_parcae.liveput.scenarios import ScenarioCosts, StepOutlook, SuddenLosses, preemption_distribution
 from megatron_parcae.liveput.throughput import ThroughputModel
 from reconfig.layout import Layout, Parallelism
 from reconfig.placement import ONE_GPU, Placement
@@ -102,10 +102,12 @@ class LiveputOptimizer:
 
     Keeps what it learns between decisions (plans, expected costs), so it should live as
     long as its caller; it holds no other state, so a restarted caller loses only time.
+    `sudden`: how the coming intervals' preemptions are priced when some give no notice.
     """
 
     def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel, horizon: int, candidates: int = 4,
-                 distributed_optimizer: bool = False, gpus_per_instance: int = 1):
+                 distributed_optimizer: bool = False, gpus_per_instance: int = 1,
+                 sudden: SuddenLosses = SuddenLosses()):
         if horizon < 1:
             raise ValueError(f"horizon must be at least 1 interval, got {horizon}")
         if candidates < 1:
@@ -117,7 +119,7 @@ class LiveputOptimizer:
         self.throughput = throughput
         self.costs = costs
         self.gpus_per_instance = gpus_per_instance
-        self.scenarios = ScenarioCosts(throughput, costs, gpus_per_instance)
+        self.scenarios = ScenarioCosts(throughput, costs, gpus_per_instance, sudden, distributed_optimizer)
         self.horizon = horizon
         self.candidates = candidates
         self.distributed_optimizer = distributed_optimizer  # the job's: it decides which moments a plan moves

@@ -15,8 +15,17 @@ cost over one interval. With G = 1 a block is a slot.
 Costs of hypothetical changes come from `reconfig.plan.plan_migration` on canonical
 layouts (workers 0..W-1 in rank order, worker w on instance w // G, the j lost blocks
 spread over distinct stage columns and pipelines, arrivals as new instances), priced by
-`MigrationCostModel`. Plans are cached by (old layout, new layout, lost slots, notice):
-layouts repeat from one decision to the next. Layouts of more than `PLAN_WORKERS_LIMIT`
+`MigrationCostModel`. Plans are cached by (old layout, new layout, lost slots, how they
+were lost): layouts repeat from one decision to the next.
+
+Some instances go without notice even when the cloud gives one (`SuddenLosses.share`):
+hardware faults, notices that never arrive. A scenario in which v instances go is then
+sudden with probability 1 - (1 - share)^v and priced as if all v were (at most two priced
+outcomes per scenario): the state survives when every stage keeps a replica and the
+optimizer is not distributed (its shards exist once); otherwise the job rolls back to its
+workers' snapshots (every K steps, a buddy copy on the next instance: reconfig/copies.py)
+and retrains K/2 steps, or, when a lost stage's snapshots went with it, restarts from
+its checkpoint and retrains half a save interval. Layouts of more than `PLAN_WORKERS_LIMIT`
 workers are planned with fewer data-parallel replicas: per-worker bytes, which set the
 time, do not depend on D when both sides scale alike, nor do a rank's groups while D
 stays above 1.
@@ -33,8 +42,8 @@ import numpy as np
 from megatron_parcae.liveput.cost import MigrationCost, MigrationCostModel, rank_groups
 from megatron_parcae.liveput.throughput import ThroughputModel
 from reconfig.layout import Layout, Parallelism
-from reconfig.placement import Placement
-from reconfig.plan import LostStateError, MigrationRequest, plan_migration
+from reconfig.placement import Placement, copy_holders
+from reconfig.plan import Copies, LostStateError, MigrationRequest, plan_migration
 
 PLAN_WORKERS_LIMIT = 64
 _TAIL = 1e-3  # the least likely outcomes of a distribution, this share of it together, are left out
@@ -47,6 +56,38 @@ class StepOutlook:
 
     instances: int
     preemptions: tuple[tuple[float, int], ...]
+
+
+@dataclass(frozen=True)
+class SuddenLosses:
+    """Preemptions that come without notice, and what the job recovers them from.
+
+    `share`: probability that a preemption gives no notice (0: each is as the cost
+    constants' grace period says; with no grace period, 1 prices every loss this way).
+    `copy_interval`: steps K between the workers' snapshots (--parcae-copy-interval; 0:
+    none). `save_interval`: steps between checkpoints (0: unknown, so a restart is charged
+    no retrained steps)."""
+
+    share: float = 0.0
+    copy_interval: int = 10  # --parcae-copy-interval's default
+    save_interval: int = 0
+
+    def __post_init__(self) -> None:
+        share = self.share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+            raise ValueError(f"sudden share: expected a probability from 0 to 1, got {share!r}")
+        for name in ("copy_interval", "save_interval"):
+            steps = getattr(self, name)
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+                raise ValueError(f"{name.replace('_', ' ')}: expected a whole number of steps >= 0, got {steps!r}")
+        object.__setattr__(self, "share", float(share))
+
+    def check_batch(self, throughput: ThroughputModel) -> None:
+        """Refuse a profile that cannot price the steps a sudden loss retrains: a step is
+        the global batch at the layout's samples per second."""
+        if self.share and (self.copy_interval or self.save_interval) and throughput.global_batch_size <= 0:
+            raise ValueError(f"pricing the steps a sudden loss retrains needs the global batch size; the "
+                             f"{throughput.model} profile names none (global_batch_size=... in a table's comment)")
 
 
 def preemption_distribution(expected: float, at_least: int, certain: bool) -> tuple[tuple[float, int], ...]:
@@ -141,6 +182,64 @@ def wipe_probability(columns: int, replicas: int, victims: int, per_block: int =
     return (total - sum(n for (chosen, _), n in ways.items() if chosen == victims)) / total
 
 
+def _ways_without_runs(blocks: int, ends: dict[int, int], chosen: int, first_chosen: bool) -> int:
+    """Ways to choose `chosen` of `blocks` blocks in a row (the first among them when
+    `first_chosen`) so that the chosen blocks up to block b never end in a run of
+    `ends[b]` or more."""
+    longest = max(ends.values(), default=1)
+    ways = {(0, 0): 1}  # (blocks chosen, chosen run at the end, capped) -> ways
+    for b in range(blocks):
+        following: dict[tuple[int, int], int] = {}
+        for (count, run), n in ways.items():
+            if not (first_chosen and b == 0):
+                following[count, 0] = following.get((count, 0), 0) + n
+            if count < chosen:
+                key = (count + 1, min(run + 1, longest))
+                following[key] = following.get(key, 0) + n
+        limit = ends.get(b, longest + 1)
+        ways = {key: n for key, n in following.items() if key[1] < limit}
+    return sum(n for (count, _), n in ways.items() if count == chosen)
+
+
+@lru_cache(maxsize=65536)
+def copies_recovery_probability(parallelism: Parallelism, gpus_per_instance: int, victims: int,
+                                distributed_optimizer: bool) -> float:
+    """Probability that the snapshots make up for `victims` uniform instances of a
+    canonical layout lost without notice, given that they took state no survivor holds
+    (a stage's every replica; any worker's, with the distributed optimizer).
+
+    A worker's buddy is the worker G ranks on (placement.copy_holders), on the next
+    instance, round the layout's instances in a ring (a short last instance taken as a
+    whole one). A survivor's snapshot is whole over DP, so the planner (plan.Copies)
+    fails only on a stage whose every worker went together with its buddy: with ranks
+    in stage order, the stage's instances and the next one all lost. That is counted
+    exactly: as `wipe_probability` counts a stage's instances, with each stage's run one
+    instance longer and the last stage's wrapping round to the first instance."""
+    used = instances_used(parallelism, gpus_per_instance)
+    if used < 2 or victims == 0:
+        return 0.0  # one instance keeps no copy elsewhere (copy_holders is empty)
+    size = parallelism.tp * parallelism.dp
+    runs = {(size * p // gpus_per_instance, (size * (p + 1) - 1) // gpus_per_instance + 1)
+            for p in range(parallelism.pp)}  # (first, last) instance a stage's recovery needs, last may be `used`
+    # Block 0 not chosen: no run through it can be, the rest is a row from block 1.
+    apart = {}
+    for first, last in runs:
+        if first >= 1 and last <= used - 1:
+            apart[last - 1] = min(apart.get(last - 1, used), last - first + 1)
+    avoided = _ways_without_runs(used - 1, apart, victims, False)
+    # Block 0 chosen: a run wrapping round to it needs only its part in the row.
+    together: dict[int, int] = {}
+    for first, last in runs:
+        end = min(last, used - 1)
+        together[end] = min(together.get(end, used), end - first + 1)
+    avoided += _ways_without_runs(used, together, victims, True)
+    failed = 1.0 - avoided / math.comb(used, victims)
+    if distributed_optimizer:
+        return max(0.0, 1.0 - failed)
+    lost = wipe_probability(parallelism.pp, parallelism.dp, victims, gpus_per_instance // parallelism.tp)
+    return 0.0 if lost == 0.0 else min(1.0, max(0.0, 1.0 - failed / lost))
+
+
 @lru_cache(maxsize=4096)
 def spread_order(parallelism: Parallelism, gpus_per_instance: int) -> tuple[int, ...]:
     """Every block of `parallelism`, in the order canonical preemptions take them: its
@@ -187,16 +286,25 @@ def _reduced(p: Parallelism, dp: int) -> Parallelism:
     return Parallelism(p.tp, p.pp, dp, p.stage_layers)
 
 
+NOTICED, SUDDEN, FROM_COPIES = "noticed", "sudden", "copies"  # how a canonical plan's victims went
+
+
 class ScenarioCosts:
     """Expected seconds of layout changes over preemption scenarios, with a plan cache,
-    for layouts whose T divides G (see throughput.OnInstances)."""
+    for layouts whose T divides G (see throughput.OnInstances). `distributed_optimizer`:
+    the job's, which decides whether a sudden loss takes state no survivor holds."""
 
-    def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel, gpus_per_instance: int = 1):
+    def __init__(self, throughput: ThroughputModel, costs: MigrationCostModel, gpus_per_instance: int = 1,
+                 sudden: SuddenLosses = SuddenLosses(), distributed_optimizer: bool = False):
+        sudden.check_batch(throughput)
         self.throughput = throughput
         self.costs = costs
         self.gpus_per_instance = gpus_per_instance
+        self.sudden = sudden
+        self.distributed_optimizer = distributed_optimizer
         self.interval = costs.constants.interval_seconds
         self._with_notice = costs.constants.grace_period_seconds > 0
+        self._loss = NOTICED if self._with_notice else SUDDEN  # how the constants say instances go
         self._cache: dict[tuple, MigrationCost] = {}
         self._floors: dict[tuple[Parallelism | None, Parallelism], float] = {}
 
@@ -222,13 +330,15 @@ class ScenarioCosts:
         return cost
 
     def _plan_cost(self, old: Parallelism, lost_ranks: frozenset[int], leaving_ranks: frozenset[int],
-                   target: Parallelism) -> MigrationCost:
+                   target: Parallelism, from_copies: bool = False) -> MigrationCost:
         """Cost of `old` on canonical workers (worker = rank, instance = rank // G) to
         `target`. The spare GPUs of the last instance wait as standbys unless a rank of it
-        went; fresh instances arrive for what the workers left cannot hold in blocks."""
+        went; fresh instances arrive for what the workers left cannot hold in blocks.
+        `from_copies`: the state comes from the workers' snapshots (plan.Copies)."""
         g = self.gpus_per_instance
         used = instances_used(old, g)
         layout = Layout(old, tuple(range(old.world_size)))
+        copies = Copies(1, copy_holders(layout, canonical_placement(g, used * g))) if from_copies else None
         survivors = frozenset(range(old.world_size)) - lost_ranks - leaving_ranks
         gone = {r // g for r in lost_ranks | leaving_ranks}
         spares = frozenset() if used - 1 in gone else frozenset(range(old.world_size, used * g))
@@ -236,34 +346,44 @@ class ScenarioCosts:
         fresh = max(0, -(-(target.world_size - capacity) // g))
         joining = spares | frozenset(range(used * g, (used + fresh) * g))
         request = MigrationRequest(layout, survivors, frozenset(leaving_ranks), joining,
-                                   placement=canonical_placement(g, (used + fresh) * g))
+                                   placement=canonical_placement(g, (used + fresh) * g), copies=copies)
         try:
             plan = plan_migration(request, target, self.costs.shape)
         except LostStateError:
             return self.costs.restart_cost(target, joining=target.world_size > len(survivors))
         return self.costs.plan_cost(plan)
 
-    def _canonical_cost(self, old: Parallelism, new: Parallelism, victims: int) -> MigrationCost:
-        """Cost of old -> new when `victims` of old's instances are preempted (spread out)."""
-        full_key = ("full", old, new, victims)
+    def _canonical_cost(self, old: Parallelism, new: Parallelism, victims: int,
+                        how: str | None = None) -> MigrationCost:
+        """Cost of old -> new when `victims` of old's instances are preempted `how` (NOTICED,
+        SUDDEN: spread out; FROM_COPIES: every other instance, so each victim's buddy on the
+        next one lives; more than half of the instances are priced as that half, as each
+        buddy sends its one ward's copy either way). Default: as the constants say."""
+        how = self._loss if how is None or victims == 0 else how
+        full_key = ("full", old, new, victims, how)
         cost = self._cache.get(full_key)
         if cost is not None:
             return cost
+        g = self.gpus_per_instance
         scale = PLAN_WORKERS_LIMIT / max(old.world_size, new.world_size)
         small_old, small_new, small_victims = old, new, victims
         if scale < 1:  # fewer replicas, the same share of them preempted
             small_old = _reduced(old, max(min(old.dp, 2), round(old.dp * scale)))
             small_new = _reduced(new, max(min(new.dp, 2), round(new.dp * scale)))
             if victims:
-                g = self.gpus_per_instance
                 small_victims = min(max(1, round(victims * instances_used(small_old, g) / instances_used(old, g))),
                                     survivable(small_old, g))
-        key = ("planned", old, new, small_victims)
+        if how == FROM_COPIES:
+            small_victims = min(small_victims, max(1, instances_used(small_old, g) // 2))
+        key = ("planned", old, new, small_victims, how)
         cost = self._cache.get(key)
         if cost is None:
-            ranks = frozenset(spread_victims(small_old, small_victims, self.gpus_per_instance))
-            lost, leaving = (frozenset(), ranks) if self._with_notice else (ranks, frozenset())
-            cost = self._cache[key] = self._plan_cost(small_old, lost, leaving, small_new)
+            if how == FROM_COPIES:
+                ranks = frozenset(r for r in range(small_old.world_size) if r // g in range(0, 2 * small_victims, 2))
+            else:
+                ranks = frozenset(spread_victims(small_old, small_victims, g))
+            lost, leaving = (frozenset(), ranks) if how == NOTICED else (ranks, frozenset())
+            cost = self._cache[key] = self._plan_cost(small_old, lost, leaving, small_new, how == FROM_COPIES)
         self._cache[full_key] = cost
         return cost
 
@@ -289,13 +409,27 @@ class ScenarioCosts:
         decide whether it takes in new instances (Parcae's engine then pays a rendezvous
         and every group at the new-worker rate); the chance that victims take every
         replica of a stage without notice is still counted: a stage's replicas are D
-        tensor-parallel groups, G / T of them to an instance."""
+        tensor-parallel groups, G / T of them to an instance. With probability
+        1 - (1 - share)^victims some victim gives no notice: priced as if none did."""
         if victims == 0 and old == new:
             return 0.0
         used = instances_used(old, self.gpus_per_instance)
         reshape = old.tp != new.tp or old.stage_layers != new.stage_layers
         joins_for_victims = used - victims < instances_used(new, self.gpus_per_instance) <= used
-        cost = self._canonical_cost(old, new, 0 if reshape and not joins_for_victims else victims).seconds
+        planned = 0 if reshape and not joins_for_victims else victims
+        sudden = 1.0 - (1.0 - self.sudden.share) ** victims
+        if sudden == 0.0:
+            return self._noticed_seconds(old, new, victims, planned)
+        seconds = sudden * self._sudden_seconds(old, new, victims, planned)
+        if sudden < 1.0:
+            seconds += (1.0 - sudden) * self._noticed_seconds(old, new, victims, planned)
+        return seconds
+
+    def _noticed_seconds(self, old: Parallelism, new: Parallelism, victims: int, planned: int) -> float:
+        """`_victims_seconds` as the constants' grace period says: each victim noticed or,
+        with no grace period, lost without notice, a stage left without a replica restarting
+        from the checkpoint (with no step retrained: that needs `SuddenLosses`)."""
+        cost = self._canonical_cost(old, new, planned).seconds
         if self._with_notice or victims == 0:
             return cost
         wipe = wipe_probability(old.pp, old.dp, victims, self.gpus_per_instance // old.tp)
@@ -304,6 +438,30 @@ class ScenarioCosts:
         lost = len(spread_victims(old, victims, self.gpus_per_instance))
         restart = self.costs.restart_cost(new, joining=new.world_size > old.world_size - lost).seconds
         return (1 - wipe) * cost + wipe * restart
+
+    def _sudden_seconds(self, old: Parallelism, new: Parallelism, victims: int, planned: int) -> float:
+        """`_victims_seconds` when every victim goes without notice. Survivors hold the
+        state unless a stage lost every replica or the optimizer is distributed; if not,
+        the job rolls back to its snapshots and retrains K/2 steps, or restarts from the
+        checkpoint and retrains half a save interval, steps of the old layout."""
+        g = self.gpus_per_instance
+        lost_state = 1.0 if self.distributed_optimizer else wipe_probability(old.pp, old.dp, victims, g // old.tp)
+        seconds = 0.0
+        if lost_state < 1.0:
+            seconds += (1.0 - lost_state) * self._canonical_cost(old, new, planned, SUDDEN).seconds
+        if lost_state == 0.0:
+            return seconds
+        step = self.throughput.global_batch_size / self.throughput.samples_per_second(old)
+        lost = len(spread_victims(old, victims, g))
+        recovery = self.costs.restart_cost(new, joining=new.world_size > old.world_size - lost).seconds \
+            + self.sudden.save_interval / 2 * step
+        if self.sudden.copy_interval:
+            rolled_back = copies_recovery_probability(old, g, victims, self.distributed_optimizer)
+            if rolled_back:
+                from_copies = self._canonical_cost(old, new, planned, FROM_COPIES).seconds \
+                    + self.sudden.copy_interval / 2 * step
+                recovery = rolled_back * from_copies + (1.0 - rolled_back) * recovery
+        return seconds + lost_state * recovery
 
     def change_floor(self, old: Parallelism | None, new: Parallelism) -> float:
         """A bound below the cost of changing `old` to `new` (any old when None), from the

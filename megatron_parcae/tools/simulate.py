@@ -24,6 +24,10 @@ at the interval's end carries into the next. Policies:
   (`predictor.rates.ForecastRates`, as the coordinator's `rates` key);
 - `parcae-oracle`: the liveput optimizer told the true future counts and preemptions.
 
+`--sudden-share`, `--copy-interval` and `--save-interval` change only how the liveput
+policies price the coming preemptions (liveput/scenarios.SuddenLosses, as the
+coordinator's keys of those names); the replay gives each preemption the constants' notice.
+
 Every instance of the cluster is paid for whether a policy uses it or not: spot
 instances at `--spot-price`, always-on on-demand ones (`--on-demand`) at
 `--on-demand-price`, per instance-hour. Defaults are AWS p3.2xlarge in us-east-1:
@@ -47,6 +51,7 @@ import numpy as np
 
 from megatron_parcae.liveput.cost import COST_MODELS, DEFAULT_CONSTANTS, CostConstants
 from megatron_parcae.liveput.factory import LiveputStack, build_liveput
+from megatron_parcae.liveput.scenarios import SuddenLosses
 from predictor.forecast import AvailabilityForecast, make_forecaster
 from predictor.rates import RATES, make_rates
 from predictor.traces import AvailabilityTrace
@@ -404,6 +409,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the parcae policy's expected preemptions and arrivals per interval: the forecaster's "
                              "(none), or a rate model's fitted on the trace so far, constant or seasonal (by hour of "
                              "day), as the coordinator's rates key")
+    parser.add_argument("--sudden-share", type=float, default=0.0, metavar="SHARE",
+                        help="share of preemptions the liveput policies price as coming without notice (the "
+                             "coordinator's sudden-share key); the replay itself still gives every preemption the "
+                             "cost constants' notice")
+    parser.add_argument("--copy-interval", type=int, default=SuddenLosses.copy_interval, metavar="STEPS",
+                        help="steps between the workers' snapshots (--parcae-copy-interval; 0: none), for pricing "
+                             "sudden losses")
+    parser.add_argument("--save-interval", type=int, default=0, metavar="STEPS",
+                        help="steps between checkpoints (0: unknown, no retrained steps charged), for pricing "
+                             "sudden losses")
     parser.add_argument("--seed", type=int, default=0, help="seed of which instances a preemption hits")
     parser.add_argument("--draws", type=int, default=1,
                         help="replay this many draws of which instances preemptions hit (seeds --seed, --seed + 1, "
@@ -423,7 +438,8 @@ def build(args: argparse.Namespace) -> tuple[Replay, LiveputStack]:
     max_workers = (int(replay.counts.max()) + max(args.on_demand, 0)) * args.gpus_per_instance
     liveput = build_liveput(args.profile, constants, model=args.model, max_workers=max_workers,
                             lookahead=args.lookahead, distributed_optimizer=args.distributed_optimizer,
-                            gpus_per_instance=args.gpus_per_instance, cost_model=args.cost_model)
+                            gpus_per_instance=args.gpus_per_instance, cost_model=args.cost_model,
+                            sudden=SuddenLosses(args.sudden_share, args.copy_interval, args.save_interval))
     return replay, liveput
 
 
