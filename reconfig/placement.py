@@ -5,6 +5,9 @@ NVLink, so layouts are placed in blocks: Megatron ranks [k*G, (k+1)*G) of a layo
 run on one instance. Megatron orders ranks tensor-parallel first, so with T dividing G
 no tensor-parallel group crosses an instance. A job of one-GPU instances is the case
 G = 1, where every worker is its own instance.
+
+Instances may also be named in failure domains (a cloud zone, a rack, a switch): instances
+of one domain may fail together, so buddies (`copy_holders`) are chosen across domains.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ MAX_GPUS_PER_INSTANCE = 64
 
 @dataclass(frozen=True)
 class Placement:
-    """The instance each worker runs on, and how many GPUs (workers) an instance has."""
+    """The instance each worker runs on, how many GPUs (workers) an instance has, and the
+    failure domain of the workers whose domain is known (the others: unknown)."""
 
     gpus_per_instance: int = 1
     instance_of: Mapping[int, str] = field(default_factory=dict)
+    domain_of: Mapping[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         g = require_int("placement.gpus_per_instance", self.gpus_per_instance, 1)
@@ -43,10 +48,30 @@ class Placement:
         if crowded:
             raise ValueError(f"placement: instance(s) {', '.join(sorted(crowded))} run more than "
                              f"{g} workers (gpus_per_instance)")
+        if not isinstance(self.domain_of, Mapping):
+            raise ValueError(f"placement.domains: expected an object, got {type(self.domain_of).__name__}")
+        domains: dict[int, str] = {}
+        for worker, domain in self.domain_of.items():
+            require_int("placement.domains key", worker, 0)
+            if not isinstance(domain, str) or not domain:
+                raise ValueError(f"placement.domains[{worker}]: expected a failure domain name, got {domain!r}")
+            domains[worker] = domain
+        object.__setattr__(self, "domain_of", domains)
+        # A domain is a property of the instance: its workers fail with it.
+        named: dict[str, set[str]] = {}
+        for worker, domain in domains.items():
+            named.setdefault(self.instance(worker), set()).add(domain)
+        split = sorted(i for i, found in named.items() if len(found) > 1)
+        if split:
+            raise ValueError(f"placement: instance(s) {', '.join(split)} are named in more than one failure domain")
 
     def instance(self, worker: int) -> str:
         """The worker's instance; a worker the placement does not name is its own."""
         return self.instance_of.get(worker, f"worker-{worker}")
+
+    def domain(self, worker: int) -> str | None:
+        """The worker's failure domain; None where it is not known."""
+        return self.domain_of.get(worker)
 
     def instances(self, workers: Iterable[int]) -> dict[str, list[int]]:
         """The instances `workers` run on, each with its workers in id order."""
@@ -116,32 +141,71 @@ class Placement:
         return tuple(slots)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpus_per_instance": self.gpus_per_instance,
-                "instances": {str(w): i for w, i in sorted(self.instance_of.items())}}
+        """Domains only where some are named, so plans without them read as before."""
+        d: dict[str, Any] = {"gpus_per_instance": self.gpus_per_instance,
+                             "instances": {str(w): i for w, i in sorted(self.instance_of.items())}}
+        if self.domain_of:
+            d["domains"] = {str(w): domain for w, domain in sorted(self.domain_of.items())}
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> Placement:
-        require_fields("placement", d, {"gpus_per_instance", "instances"})
-        instances = d["instances"]
-        if not isinstance(instances, dict):
-            raise ValueError(f"placement.instances: expected an object, got {type(instances).__name__}")
-        parsed = {}
-        for key, instance in instances.items():
-            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
-                raise ValueError(f"placement.instances: key {key!r} is not a worker id")
-            parsed[int(key)] = instance
-        return cls(d["gpus_per_instance"], parsed)
+        require_fields("placement", d, {"gpus_per_instance", "instances"}, frozenset({"domains"}))
+        return cls(d["gpus_per_instance"], _by_worker("placement.instances", d["instances"]),
+                   _by_worker("placement.domains", d.get("domains", {})))
+
+
+def _by_worker(where: str, names: Any) -> dict[int, Any]:
+    """A JSON object keyed by worker id, with int keys."""
+    if not isinstance(names, dict):
+        raise ValueError(f"{where}: expected an object, got {type(names).__name__}")
+    parsed = {}
+    for key, name in names.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ValueError(f"{where}: key {key!r} is not a worker id")
+        parsed[int(key)] = name
+    return parsed
 
 
 ONE_GPU = Placement()
 
 
 def copy_holders(layout: Layout, placement: Placement) -> dict[int, int]:
-    """worker -> its buddy: the worker G ranks on (G GPUs an instance), which is on the
-    next instance of the layout, so no instance holds its own copy. Empty for a layout on
-    one instance."""
+    """worker -> its buddy: the worker G places on (G GPUs an instance) in the layout's
+    workers ordered by `_across_domains`, which is on the next instance of that order, so
+    no instance holds its own copy, and one failure domain loses a worker together with its
+    copy only where the domain has more than half of the instances. A rotation: every
+    worker holds at most one copy. Without domains the order is the ranks'. Empty for a
+    layout on one instance."""
     g, slots = placement.gpus_per_instance, layout.slots
     if len(slots) <= g:
         return {}
-    holders = {w: slots[(r + g) % len(slots)] for r, w in enumerate(slots)}
+    order = [w for block in _across_domains([slots[r.start:r.stop] for r in placement.blocks(len(slots))],
+                                            placement) for w in block]
+    holders = {w: order[(i + g) % len(order)] for i, w in enumerate(order)}
     return {w: h for w, h in holders.items() if placement.instance(w) != placement.instance(h)}
+
+
+def _across_domains(blocks: list[tuple[int, ...]], placement: Placement) -> list[tuple[int, ...]]:
+    """The blocks (instances) reordered so that neighbours, the last and the first too, are
+    in different failure domains where the domains' sizes allow: each next block comes from
+    the domain with the most blocks left, other than the previous block's (ties: the more
+    populous domain, then the earlier rank), in rank order within a domain. This leaves
+    2 * largest - blocks same-domain neighbours where one domain has more than half the
+    blocks, and none otherwise. A block of unknown domain is a domain of its own, so with no
+    domains named the order is the ranks'."""
+    by_domain: dict[str | int, list[tuple[int, ...]]] = {}
+    for index, block in enumerate(blocks):
+        named = next((d for d in map(placement.domain, block) if d is not None), None)
+        by_domain.setdefault(index if named is None else named, []).append(block)
+    domains = sorted(by_domain.values(), key=len, reverse=True)  # stable: ties in rank order
+    left = [len(d) for d in domains]
+    order: list[tuple[int, ...]] = []
+    previous = -1
+    for _ in blocks:
+        chosen = max((d for d in range(len(domains)) if left[d] and d != previous),
+                     key=lambda d: (left[d], -d), default=previous)
+        order.append(domains[chosen][len(domains[chosen]) - left[chosen]])
+        left[chosen] -= 1
+        previous = chosen
+    return order

@@ -23,7 +23,8 @@ GRACE_S = 30.0
 def job_agent(client):
     """A started agent for worker 3 of a fresh job, and the job's store."""
     store = JobStore(client, new_job())
-    agent = ParcaeAgent(client, store.keys.job, worker_id=3, grace_seconds=GRACE_S, lease_seconds=LEASE_S, instance="node-a")
+    agent = ParcaeAgent(client, store.keys.job, worker_id=3, grace_seconds=GRACE_S, lease_seconds=LEASE_S, instance="node-a",
+                        failure_domain="rack-1")
     agent.start()
     yield agent, store
     agent.stop()
@@ -32,7 +33,7 @@ def job_agent(client):
 def test_agent_registers_and_deregisters_on_stop(job_agent):
     agent, store = job_agent
     member = store.members()[3]
-    assert (member.instance, member.pid, member.generation) == ("node-a", os.getpid(), 0)
+    assert (member.instance, member.failure_domain, member.pid, member.generation) == ("node-a", "rack-1", os.getpid(), 0)
     assert signal.getsignal(signal.SIGTERM) == agent._on_sigterm
     agent.stop()
     assert store.members() == {}

@@ -68,11 +68,11 @@ class Worker:
     """A member record on its own lease, standing in for a training process."""
 
     def __init__(self, store: JobStore, worker_id: int, pid: int | None = None, instance: str | None = None,
-                 can_save: bool = False, model: dict | None = None) -> None:
+                 can_save: bool = False, model: dict | None = None, failure_domain: str | None = None) -> None:
         self.store, self.worker_id = store, worker_id
         self.lease = KeptLease(store.client, LEASE_S)
         self.record = MemberRecord(worker_id, instance or f"node-{worker_id}", pid or 1000 + worker_id, time.time(), 0,
-                                   can_save=can_save, model=model)
+                                   can_save=can_save, model=model, failure_domain=failure_domain)
         assert store.register_member(self.record, self.lease.id) is not None
 
     def acknowledge(self, generation: int) -> None:
@@ -406,6 +406,22 @@ def test_instances_of_two_gpus_go_and_come_whole(job):
         assert not third.workers & {gone, gone ^ 1}
         assert f"lost workers {sorted([gone, gone ^ 1])}" in decision(store, 3)["reason"]
         wait_for(lambda: gone ^ 1 not in store.members(), WAIT_S, "the sibling fenced with its instance")
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_published_copy_holders_are_in_another_failure_domain(job, gpus):
+    store, workers, tmp_path = job
+    # Instances node-0 and node-1 in zone a, node-2 and node-3 in zone b: in rank order,
+    # half of the buddies would share their zone.
+    workers += [Worker(store, w, instance=f"node-{w // gpus}", failure_domain="ab"[w // (2 * gpus)])
+                for w in range(4 * gpus)]
+    zone = {worker.worker_id: worker.record.failure_domain for worker in workers}
+    with running(store, write_config(tmp_path, **{"min-workers": 4 * gpus, "gpus-per-instance": gpus})):
+        first = wait_generation(store, 1)
+        holders = store.plan(1).holders()
+    assert first.workers == set(zone)
+    assert sorted(holders) == sorted(holders.values()) == sorted(zone)
+    assert all(zone[w] != zone[h] and w // gpus != h // gpus for w, h in holders.items()), holders
 
 
 GQA = {**SHAPE, "num_query_groups": 1}  # SHAPE under --group-query-attention --num-query-groups 1

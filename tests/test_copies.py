@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from helpers import SHAPE
 from reconfig.layout import Layout, Parallelism
@@ -23,6 +25,87 @@ def test_each_worker_has_one_buddy_on_another_instance():
     assert sorted(holders.values()) == [5, 6, 7, 8]
     assert all(two_gpus.instance(w) != two_gpus.instance(h) for w, h in holders.items())
     assert copy_holders(_pipeline((5, 6)), Placement(2, {5: "a", 6: "a"})) == {}  # one instance: none
+
+
+def _data_parallel(workers: tuple[int, ...]) -> Layout:
+    return Layout(Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), workers)
+
+
+def _in_domains(gpus: int, domains: str, workers: tuple[int, ...]) -> Placement:
+    """Instance k holds the k-th G of `workers` and is in failure domain domains[k] ("-": unknown)."""
+    instance = {w: f"node-{r // gpus}" for r, w in enumerate(workers)}
+    domain = {w: domains[r // gpus] for r, w in enumerate(workers) if domains[r // gpus] != "-"}
+    return Placement(gpus, instance, domain)
+
+
+def _shared(holders: dict[int, int], placement: Placement) -> int:
+    """How many workers' copies are held in their own failure domain."""
+    return sum(placement.domain(w) is not None and placement.domain(w) == placement.domain(h)
+               for w, h in holders.items())
+
+
+def test_buddies_are_in_the_other_failure_domain_of_two():
+    workers = (5, 6, 7, 8)
+    placement = _in_domains(1, "aabb", workers)  # in rank order, each buddy would share its domain once
+    holders = copy_holders(_data_parallel(workers), placement)
+    assert holders == {5: 7, 7: 6, 6: 8, 8: 5}
+    assert _shared(holders, placement) == 0
+    two_gpus = _in_domains(2, "aabb", tuple(range(8)))  # instances node-0 .. node-3
+    holders = copy_holders(_data_parallel(tuple(range(8))), two_gpus)
+    assert holders == {0: 4, 1: 5, 4: 2, 5: 3, 2: 6, 3: 7, 6: 0, 7: 1}  # each worker's G-th next, in a b a b
+    assert _shared(holders, two_gpus) == 0
+
+
+def test_uneven_failure_domains_share_buddies_only_past_half():
+    workers = tuple(range(6))
+    for domains, shared in [("aabbbc", 0), ("aaabbc", 0), ("aaaabc", 2), ("aaaaab", 4)]:
+        placement = _in_domains(1, domains, workers)
+        holders = copy_holders(_data_parallel(workers), placement)
+        assert sorted(holders) == sorted(holders.values()) == list(workers)
+        assert _shared(holders, placement) == shared, domains  # 2 * largest - instances, at least 0
+    # the most populous domain first, rank order within a domain: a b a b a c
+    assert copy_holders(_data_parallel(workers), _in_domains(1, "aaabbc", workers)) == \
+        {0: 3, 3: 1, 1: 4, 4: 2, 2: 5, 5: 0}
+
+
+def test_without_failure_domains_buddies_follow_the_ranks():
+    workers = (9, 2, 7, 4, 0, 5)
+    for gpus in (1, 2, 3):
+        placement = _in_domains(gpus, "-" * 6, workers)
+        assert not placement.domain_of and placement.to_dict().keys() == {"gpus_per_instance", "instances"}
+        assert copy_holders(_data_parallel(workers), placement) == \
+            {w: workers[(r + gpus) % len(workers)] for r, w in enumerate(workers)}
+    # all in one domain, or unknown ones beside one named: the ranks' order still
+    assert copy_holders(_data_parallel(workers), _in_domains(1, "aaaaaa", workers)) == \
+        copy_holders(_data_parallel(workers), ONE_GPU)
+    assert copy_holders(_data_parallel(workers), _in_domains(2, "-a-", workers)) == \
+        copy_holders(_data_parallel(workers), _in_domains(2, "---", workers))
+
+
+@given(st.integers(1, 3), st.lists(st.sampled_from("-abc"), min_size=2, max_size=9))
+def test_buddies_are_a_rotation_across_as_many_domains_as_can_be(gpus, domains):
+    workers = tuple(range(100, 100 + gpus * len(domains)))
+    placement = _in_domains(gpus, "".join(domains), workers)
+    holders = copy_holders(_data_parallel(workers), placement)
+    assert sorted(holders) == sorted(holders.values()) == list(workers)  # one ward each
+    assert all(placement.instance(w) != placement.instance(h) for w, h in holders.items())
+    named = [d for d in domains if d != "-"]
+    largest = max(map(named.count, named), default=0)
+    assert _shared(holders, placement) == gpus * max(0, 2 * largest - len(domains))
+
+
+def test_failure_domains_are_validated_and_travel_with_the_placement():
+    placement = Placement(2, {0: "x", 1: "x", 2: "y"}, {0: "rack-1", 2: "rack-2"})
+    assert Placement.from_dict(placement.to_dict()) == placement
+    assert placement.domain(1) is None  # named on its instance's other worker only
+    with pytest.raises(ValueError, match=r"instance\(s\) x are named in more than one failure domain"):
+        Placement(2, {0: "x", 1: "x"}, {0: "rack-1", 1: "rack-2"})
+    with pytest.raises(ValueError, match="placement.domains\\[3\\]: expected a failure domain name"):
+        Placement(1, {}, {3: ""})
+    with pytest.raises(ValueError, match="placement.domains: key 'a' is not a worker id"):
+        Placement.from_dict({**placement.to_dict(), "domains": {"a": "rack-1"}})
+    with pytest.raises(ValueError, match="unknown field"):
+        Placement.from_dict({**placement.to_dict(), "zones": {}})
 
 
 def test_a_stage_without_replica_is_refilled_from_its_buddys_copy():

@@ -250,6 +250,26 @@ def test_a_member_records_model_is_checked_and_older_records_have_none(client):
     assert store.members()[7].model is None and store.members()[7].shape() is None
 
 
+def test_a_member_records_failure_domain_is_checked_and_older_records_have_none(client):
+    store = JobStore(client, new_job())
+    member = MemberRecord(7, "node-a", 4242, 1.0, 0, failure_domain="us-east-1a")
+    client.put(store.keys.member(7), member.encode())
+    assert store.members()[7].failure_domain == "us-east-1a"
+    for domain, why in [("", "length 0 outside"), ("z" * 254, "length 254 outside"), (3, "expected str, got int")]:
+        client.put(store.keys.member(7), json.dumps({**member.to_dict(), "failure_domain": domain}).encode())
+        with pytest.raises(SchemaError, match=why) as info:
+            store.members()
+        assert f"{store.keys.member(7)}.failure_domain" in str(info.value)
+        with pytest.raises(SchemaError, match="refused new MemberRecord.failure_domain"):
+            MemberRecord(**{**member.to_dict(), "failure_domain": domain}).encode()
+    # Not known: null, or a worker from before `failure_domain` existed.
+    client.put(store.keys.member(7), MemberRecord(7, "node-a", 4242, 1.0, 0).encode())
+    assert store.members()[7].failure_domain is None
+    client.put(store.keys.member(7), json.dumps({k: v for k, v in member.to_dict().items()
+                                                 if k != "failure_domain"}).encode())
+    assert store.members()[7].failure_domain is None
+
+
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**60), 2**60) | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),

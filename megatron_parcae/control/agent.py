@@ -175,7 +175,9 @@ class _PlanFeed:
 class ParcaeAgent:
     """Membership, preemption notices, plan delivery and step reports of one process.
     `can_save` and `model` go into its member record: the process writes checkpoints
-    (--save), and trains that model, so the coordinator plans only layouts it fits."""
+    (--save), and trains that model, so the coordinator plans only layouts it fits.
+    `failure_domain` too: its instance may fail with the others of that domain, so the
+    coordinator keeps its copies in another (None: not known)."""
 
     def __init__(
         self,
@@ -189,6 +191,7 @@ class ParcaeAgent:
         notices: NoticeWatcher | None = None,
         can_save: bool = False,
         model: ModelShape | None = None,
+        failure_domain: str | None = None,
     ) -> None:
         if not grace_seconds >= 0 or not lease_seconds > 0:
             raise ValueError(f"grace_seconds must be >= 0 and lease_seconds > 0, got {grace_seconds}, {lease_seconds}")
@@ -199,8 +202,8 @@ class ParcaeAgent:
         self.lease_seconds = lease_seconds
         self._member = MemberRecord(worker_id, instance or default_instance(), os.getpid(), time.time(), 0,
                                     local_rank=local_rank, can_save=can_save,
-                                    model=None if model is None else model.to_dict())
-        self._member.encode()  # refuse a bad worker id or instance name now, not on a thread
+                                    model=None if model is None else model.to_dict(), failure_domain=failure_domain)
+        self._member.encode()  # refuse a bad worker id, instance or domain name now, not on a thread
         self._lock = threading.Lock()
         self._wake = _Doorbell()
         self._stopping = threading.Event()

@@ -323,6 +323,7 @@ class Coordinator:
         self._seen: set[int] = set()
         self._admitted: dict[int, list] = {}
         self._instance_of: dict[int, str] = {}  # every worker's instance, as its member record said
+        self._domain_of: dict[int, str] = {}  # the failure domain of every worker whose record named one
         self._decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self._busy_until = 0.0  # monotonic time the last migration is expected to end
         self._broken_seen: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a worker first said it broke)
@@ -549,11 +550,16 @@ class Coordinator:
         return frozenset(waiting)
 
     def _placement(self, members: dict[int, MemberRecord], in_layout: frozenset[int]) -> Placement:
-        """Where members run; lost workers of the layout keep the instance they had. An
-        instance reporting more workers than it has GPUs places only its first ones."""
+        """Where members run, and in which failure domains; lost workers of the layout keep
+        the instance and domain they had. An instance reporting more workers than it has
+        GPUs places only its first ones, and is in the domain its first named worker says."""
         g = self._config.gpus_per_instance
+        for worker, member in members.items():
+            if member.failure_domain is not None:
+                self._domain_of[worker] = member.failure_domain
         if g == 1:
-            return ONE_GPU
+            domains = {w: self._domain_of[w] for w in (frozenset(members) | in_layout) & self._domain_of.keys()}
+            return Placement(1, {}, domains) if domains else ONE_GPU
         for worker, member in members.items():
             self._instance_of[worker] = member.instance
         placed: dict[int, str] = {}
@@ -567,7 +573,13 @@ class Coordinator:
             else:
                 self._warn_once(f"instance {instance} runs more than {g} workers (gpus-per-instance); "
                                 f"worker {worker} is not placed")
-        return Placement(g, placed)
+        domain_of_instance: dict[str, str] = {}
+        for worker in sorted(placed.keys() & self._domain_of.keys()):
+            domain = domain_of_instance.setdefault(placed[worker], self._domain_of[worker])
+            if domain != self._domain_of[worker]:
+                self._warn_once(f"the workers of instance {placed[worker]} name failure domains {domain} and "
+                                f"{self._domain_of[worker]}; it is taken to be in {domain}")
+        return Placement(g, placed, {w: domain_of_instance[i] for w, i in placed.items() if i in domain_of_instance})
 
     def _reconcile(self) -> None:
         """Read the job's state once and publish the next generation if it must change."""

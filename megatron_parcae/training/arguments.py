@@ -113,6 +113,10 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-instance", default=None, metavar="NAME",
                    help="with --parcae-etcd: the instance (node) this process runs on; a preemption takes all of "
                         "its processes (default: the host name and the launching torchrun's pid)")
+    g.add_argument("--parcae-failure-domain", default=None, metavar="NAME",
+                   help="with --parcae-etcd: the failure domain of this process's instance, e.g. a cloud zone, "
+                        "rack or switch; instances in one domain may fail together, so workers keep their "
+                        "copies (--parcae-copy-interval) in another domain where they can (default: none)")
     g.add_argument("--parcae-notice", choices=NOTICE_SOURCES, default="signal",
                    help="with --parcae-etcd: where preemption notices come from besides SIGTERM: a cloud's "
                         "metadata service (aws, gcp, azure), auto (probe them, else signals only) or signal "
@@ -442,6 +446,8 @@ def _check_live_job(args: argparse.Namespace) -> None:
            f"--parcae-worker-id must be from 0 to 2^31-1, got {args.parcae_worker_id}")
     _check(args.parcae_instance is None or 0 < len(args.parcae_instance) <= 253,
            "--parcae-instance must be 1 to 253 characters")
+    _check(args.parcae_failure_domain is None or 0 < len(args.parcae_failure_domain) <= 253,
+           "--parcae-failure-domain must be 1 to 253 characters")
     if args.parcae_metadata_endpoint is not None:
         _check(args.parcae_notice in NOTICE_WATCHERS,
                f"--parcae-metadata-endpoint needs --parcae-notice {', '.join(list(NOTICE_WATCHERS)[:-1])} "

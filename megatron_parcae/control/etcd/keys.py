@@ -180,7 +180,9 @@ class MemberRecord(Record):
     `can_save`: it writes checkpoints (--save), so the coordinator may ask it to save and
     exit when the whole job is leaving. `model` is the model it trains
     (`ModelShape.to_dict()`), so that the coordinator plans only layouts it can be built in
-    (a throughput table does not describe the model); None: not said (an older worker)."""
+    (a throughput table does not describe the model); None: not said (an older worker).
+    `failure_domain` groups instances that may fail together (a zone, a rack, a switch), so
+    that copies are kept across domains; None: not known."""
 
     worker_id: int
     instance: str  # the node it runs on: a preemption, notice or arrival concerns all of its workers
@@ -192,11 +194,13 @@ class MemberRecord(Record):
     local_rank: int = 0  # its GPU on the instance
     can_save: bool = False
     model: dict | None = None
+    failure_domain: str | None = None
 
     SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME,
               "generation": Field(int, 0, MAX_GENERATION), "broken": Field(int, 0, MAX_GENERATION),
               "state_kept": Field(bool), "local_rank": Field(int, 0, 1023), "can_save": Field(bool, absent=False),
-              "model": Field(dict, 1, 32, nullable=True, absent=None)}
+              "model": Field(dict, 1, 32, nullable=True, absent=None),
+              "failure_domain": Field(str, 1, 253, nullable=True, absent=None)}
 
     def check(self, where: str) -> None:
         if self.broken > self.generation:

@@ -120,7 +120,8 @@ class LiveReconfiguration:
         self.shape = ModelShape.from_args(args, vocab_size)
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
                                  args.parcae_lease_seconds, args.parcae_instance, local_rank, notices,
-                                 can_save=bool(args.save), model=self.shape)
+                                 can_save=bool(args.save), model=self.shape,
+                                 failure_domain=args.parcae_failure_domain)
         self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), process_group_backend(),
                            collective_timeout=collective_timeout(args), superseded=self._superseded)
         self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
