@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, SMALL_GPT, assert_close, assert_same_state, layout_flags, losses, torchrun
+from helpers import REPO, SMALL_GPT, assert_close, assert_same_state, layout_flags, losses, torchrun, write_tracker
 from megatron_parcae import events
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 
@@ -47,13 +47,14 @@ def test_swiglu_is_recut_when_tensor_parallelism_changes_and_in_checkpoints(tiny
     """fc1 holds [gate; up] per TP shard (stride 2): T 2 -> 1 must regroup both halves, and
     a checkpoint written at T = 2 resumes at T = 1 as the uninterrupted run goes on."""
     flags = SMALL_GPT + ["--swiglu", "--train-iters", "4"]
+    # Iteration 2's checkpoint is saved before the boundary's change, still at T = 2.
     changed = torchrun("pretrain_gpt.py", 2, flags + layout_flags(2, 1) + [
+        "--save", str(tmp_path / "t2"), "--save-interval", "2",
         "--parcae", "--parcae-layout-schedule", "2:1,1,2"], timeout=300)
     assert [(c.kind, c.tp) for c in changed.of(events.LayoutChange)] == [("tensor", 1)]
     reference = losses(torchrun("pretrain_gpt.py", 1, flags))
     assert_close(losses(changed), reference)
-    losses(torchrun("pretrain_gpt.py", 2, flags + layout_flags(2, 1) + [
-        "--save", str(tmp_path / "t2"), "--save-interval", "2", "--exit-interval", "2"]))
+    write_tracker(tmp_path / "t2", 2)
     resumed = losses(torchrun("pretrain_gpt.py", 1, flags + ["--load", str(tmp_path / "t2")]))
     assert_close(resumed, {i: reference[i] for i in (3, 4)})
 
