@@ -13,7 +13,9 @@ background threads and the loop only reads and writes in-memory state:
             ...apply plan.layout / plan.migration at this iteration boundary...
             agent.acknowledge(plan.generation)
         ...one iteration...
-        agent.record_progress(iteration, consumed_samples)  # rank 0: sent now, answered by the next
+        agent.record_progress(iteration, consumed_samples)  # rank 0: sent now...
+        ...the next boundary's collectives...
+        agent.progress_written()                               # ...answered by now
         agent.report_step(iteration, seconds, consumed_samples)
     agent.stop()                           # deregisters: the member key disappears at once
 
@@ -363,14 +365,14 @@ class ParcaeAgent:
 
         Unlike the rest, this is sent from the caller's thread: a restart from a checkpoint
         counts the steps it loses from it, also when every process that trained them died.
-        A restart's record is written at once. A step's is sent at once, and its answer is
-        read when the next record is sent (or at `stop()`): waiting for it at the step's
-        end cost the step etcd's round trip, a WAL fsync (2-6 ms on a busy disk), and a
-        background thread writing it instead cost more, taking the GIL from the step.
-        Should every process that trained a step die in the moment its record is still in
-        this process's socket, a restart counts one step fewer than it retrains. While etcd
-        does not answer, the agent thread writes the newest record once it does (the step
-        does not wait out a deadline).
+        A restart's record is written at once. A step's is sent at once and
+        `progress_written()` waits for etcd's answer: the caller calls it after the next
+        boundary's plan agreement, so that its peers do not wait for etcd too (about 2 ms a
+        step on a busy machine; a background thread writing it instead cost more, taking
+        the GIL from the step). Should every process that trained a step die in the
+        milliseconds its record is in flight, a restart counts one step fewer than it
+        retrains. While etcd does not answer, the agent thread writes the newest record
+        once it does (the step does not wait out a deadline).
         """
         record = ProgressRecord(self._current if generation is None else generation, iteration, consumed_samples,
                                 time.time(), copies)
@@ -399,8 +401,7 @@ class ParcaeAgent:
 
     def progress_written(self) -> None:
         """Wait for the answer to the step's record `record_progress` sent, if any: fenced
-        if this worker is no longer a member (a step later than the write); left to the
-        agent thread if etcd failed."""
+        if this worker is no longer a member; left to the agent thread if etcd failed."""
         sent, self._progress_sent = self._progress_sent, None
         if sent is None:
             return

@@ -207,6 +207,7 @@ class LiveReconfiguration:
         agreed = planes.control_tensor([pending.generation if pending is not None else self.generation,
                                         int(self._cut_off() is not None)])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        self.agent.progress_written()  # rank 0's record of the step, sent before the agreement
         return int(agreed[0]), bool(agreed[1])
 
     def can_recover(self, error: BaseException) -> bool:
