@@ -35,27 +35,13 @@ class Placement:
         g = require_int("placement.gpus_per_instance", self.gpus_per_instance, 1)
         if g > MAX_GPUS_PER_INSTANCE:
             raise ValueError(f"placement.gpus_per_instance: at most {MAX_GPUS_PER_INSTANCE}, got {g}")
-        if not isinstance(self.instance_of, Mapping):
-            raise ValueError(f"placement.instances: expected an object, got {type(self.instance_of).__name__}")
-        checked = {}
-        for worker, instance in self.instance_of.items():
-            require_int("placement.instances key", worker, 0)
-            if not isinstance(instance, str) or not instance:
-                raise ValueError(f"placement.instances[{worker}]: expected an instance name, got {instance!r}")
-            checked[worker] = instance
+        checked = _names_by_worker("placement.instances", self.instance_of, "an instance name")
         object.__setattr__(self, "instance_of", checked)
         crowded = [i for i, n in Counter(checked.values()).items() if n > g]
         if crowded:
             raise ValueError(f"placement: instance(s) {', '.join(sorted(crowded))} run more than "
                              f"{g} workers (gpus_per_instance)")
-        if not isinstance(self.domain_of, Mapping):
-            raise ValueError(f"placement.domains: expected an object, got {type(self.domain_of).__name__}")
-        domains: dict[int, str] = {}
-        for worker, domain in self.domain_of.items():
-            require_int("placement.domains key", worker, 0)
-            if not isinstance(domain, str) or not domain:
-                raise ValueError(f"placement.domains[{worker}]: expected a failure domain name, got {domain!r}")
-            domains[worker] = domain
+        domains = _names_by_worker("placement.domains", self.domain_of, "a failure domain name")
         object.__setattr__(self, "domain_of", domains)
         # A domain is a property of the instance: its workers fail with it.
         named: dict[str, set[str]] = {}
@@ -153,6 +139,17 @@ class Placement:
         require_fields("placement", d, {"gpus_per_instance", "instances"}, frozenset({"domains"}))
         return cls(d["gpus_per_instance"], _by_worker("placement.instances", d["instances"]),
                    _by_worker("placement.domains", d.get("domains", {})))
+
+
+def _names_by_worker(where: str, names: Any, what: str) -> dict[int, str]:
+    """A mapping of worker ids to non-empty names, checked."""
+    if not isinstance(names, Mapping):
+        raise ValueError(f"{where}: expected an object, got {type(names).__name__}")
+    for worker, name in names.items():
+        require_int(f"{where} key", worker, 0)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}[{worker}]: expected {what}, got {name!r}")
+    return dict(names)
 
 
 def _by_worker(where: str, names: Any) -> dict[int, Any]:

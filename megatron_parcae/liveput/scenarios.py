@@ -167,19 +167,8 @@ def wipe_probability(columns: int, replicas: int, victims: int, per_block: int =
     for c in range(columns):
         first, last = c * replicas // per_block, ((c + 1) * replicas - 1) // per_block
         shortest[last] = min(shortest.get(last, blocks), last - first + 1)
-    longest = max(shortest.values())
-    ways = {(0, 0): 1}  # (blocks chosen, chosen run at the end, capped) -> subsets covering no column
-    for b in range(blocks):
-        following: dict[tuple[int, int], int] = {}
-        for (chosen, run), n in ways.items():
-            following[chosen, 0] = following.get((chosen, 0), 0) + n
-            if chosen < victims:
-                key = (chosen + 1, min(run + 1, longest))
-                following[key] = following.get(key, 0) + n
-        limit = shortest.get(b, longest + 1)
-        ways = {key: n for key, n in following.items() if key[1] < limit}
     total = math.comb(blocks, victims)
-    return (total - sum(n for (chosen, _), n in ways.items() if chosen == victims)) / total
+    return (total - _ways_without_runs(blocks, shortest, victims, False)) / total
 
 
 def _ways_without_runs(blocks: int, ends: dict[int, int], chosen: int, first_chosen: bool) -> int:
