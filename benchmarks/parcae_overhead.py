@@ -49,6 +49,7 @@ from pathlib import Path
 import psutil
 
 from megatron_parcae.events import Event, EventFollower, Iteration, LayoutChange
+from megatron_parcae.tools.replay import interrupt_on_signals
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/gpt-tiny.yaml"
@@ -399,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
           f"not counted), {args.rounds} rounds of plain torchrun / --parcae (etcd + coordinator + N workers) "
           f"alternated; {os.cpu_count()} CPU cores", flush=True)
     comparisons: list[Comparison] = []
+    interrupt_on_signals()  # SIGTERM stops the run's etcd, coordinator and workers as Ctrl-C does
     try:
         with tempfile.TemporaryDirectory(prefix="parcae-overhead-") as tmp:
             for processes in args.processes:
@@ -406,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as exc:
         print(f"RUN FAILED: {exc}", flush=True)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted; every process it started is stopped", file=sys.stderr, flush=True)
+        return 130
     met = report(comparisons)
     if args.json is not None:
         figures_out = {
