@@ -203,7 +203,9 @@ class PlanPublished(Event):
     was made without (lost) or whose WORLD broke under them."""
 
     NAME = "plan_published"
-    RECOVERIES = ("replicas", "copies", "checkpoint")  # the state came from live workers, snapshots, a checkpoint
+    # The state came from live workers (replicas, or what they kept when a change failed),
+    # snapshots, a checkpoint.
+    RECOVERIES = ("replicas", "copies", "checkpoint")
     generation: int
     kind: str
     tp: int

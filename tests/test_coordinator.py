@@ -36,6 +36,7 @@ from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, TRAIN, CoordinatorS
 from megatron_parcae.control.etcd.keys import ChangeReport, NetworkRecord, StepReport
 from megatron_parcae.control.status import collect, render
 from megatron_parcae.events import EventWriter, MigrationCostLearned, NetworkMeasured, ThroughputLearned, read_events
+from megatron_parcae.events import PlanPublished
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, MigrationCostModel
 from reconfig.layout import Layout, Parallelism
 from reconfig.plan import MigrationPlan, MigrationRequest, plan_migration
@@ -79,10 +80,11 @@ class Worker:
         self.record = MemberRecord(**{**self.record.to_dict(), "generation": generation})
         assert self.store.update_member(self.record, self.lease.id)
 
-    def broke(self, generation: int, state_kept: bool) -> None:
-        """The WORLD of `generation` failed under this worker (as LiveReconfiguration reports it)."""
+    def broke(self, generation: int, state_kept: bool, state_of: int | None = None) -> None:
+        """The WORLD of `generation` failed under this worker (as LiveReconfiguration reports it);
+        `state_of`: the generation of the layout whose state it kept, if not `generation`'s."""
         self.record = MemberRecord(**{**self.record.to_dict(), "generation": generation, "broken": generation,
-                                      "state_kept": state_kept})
+                                      "state_kept": state_kept, "state_of": state_of})
         assert self.store.update_member(self.record, self.lease.id)
 
     def notice(self, deadline_in: float) -> None:
@@ -553,6 +555,36 @@ def test_broken_world_waits_for_every_live_worker_then_recovers(job):
         wait_generation(store, 4)
         assert store.plan(4).migration is None and decision(store, 4)["kind"] == "restart"
         assert "some mid-change" in decision(store, 4)["reason"]
+
+
+@pytest.mark.parametrize("dropped", [False, True], ids=["kept", "dropped"])
+def test_a_growth_broken_mid_change_is_retried_from_the_state_the_old_workers_kept(job, dropped):
+    """A joiner killed while the layout grows: the old layout's workers kept its state, so
+    the change is planned again from that layout without the joiner (the other joiner,
+    which held nothing, is just available); unless one of them dropped its state."""
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(2)]
+    events = tmp_path / "coordinator.events.jsonl"
+    with running(store, write_config(tmp_path, **{"min-workers": 2}), events=events):
+        first = wait_generation(store, 1)
+        workers += [Worker(store, 2), Worker(store, 3)]  # the growth waits for the first plan's acknowledgements
+        for worker in workers[:2]:
+            worker.acknowledge(1)
+        assert wait_generation(store, 2).workers == {0, 1, 2, 3}
+        workers[0].broke(2, state_kept=not dropped, state_of=0 if dropped else 1)
+        workers[1].broke(2, state_kept=True, state_of=1)
+        workers[2].broke(2, state_kept=False, state_of=0)
+        workers[3].vanish()
+        retried = wait_generation(store, 3)
+        if dropped:  # worker 0's state is gone and the first layout keeps no snapshots
+            assert store.plan(3).migration is None and "some mid-change" in decision(store, 3)["reason"]
+            return
+        plan = migration(store, 3)
+        assert plan.request.old == first and plan.request.survivors == {0, 1} and 3 not in retried.workers
+        assert "mid-change: retried from the state the workers kept" in decision(store, 3)["reason"]
+        published = wait_for(lambda: [e for e in read_events(events) if isinstance(e, PlanPublished)
+                                      and e.generation == 3], WAIT_S, "the plan's event")[0]
+        assert (published.recovery, published.lost) == ("replicas", (3,))
 
 
 def test_member_whose_notice_expired_is_dropped_and_fenced(job):

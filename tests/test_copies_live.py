@@ -2,7 +2,9 @@
 worker processes killed in layouts that keep no replica of a stage: a worker lost while a
 change is applied has the change retried without it, its stage refilled from its buddy's
 copy and the others rolled back; a worker lost with its buddy falls back to the
-checkpoint. Every run trains exactly what an uninterrupted one does."""
+checkpoint. A joiner lost while the change that adds it is applied needs no snapshot: the
+old layout's workers kept their state through the failed change. Every run trains exactly
+what an uninterrupted one does."""
 
 from __future__ import annotations
 
@@ -59,9 +61,19 @@ def _check(live_job, processes: dict, survivors: list[int], uninterrupted: dict)
     return changes, plans
 
 
+def _between_saves(logs) -> bool:
+    """Whether the job is one or two steps past a completed save (of --save-interval 4),
+    so none is in flight: a survivor inside a save's collectives when its peers die waits
+    out the save's long timeout, a case this file does not test."""
+    events = worker_events(logs)
+    saved = max((e.iteration for e in events if isinstance(e, Save)), default=None)
+    newest = max((e.iteration for e in events if isinstance(e, Iteration)), default=0)
+    return saved is not None and saved < newest <= saved + 2
+
+
 def test_a_worker_lost_with_its_buddy_falls_back_to_the_checkpoint(live_job, uninterrupted):
     processes, slots = _pipeline_job(live_job, 5)
-    wait_for(lambda: any(isinstance(e, Save) for e in worker_events(live_job[3])), 180, "a checkpoint")
+    wait_for(lambda: _between_saves(live_job[3]), 180, "a checkpoint, and no save in flight")
     lost = slots[0], slots[1]  # slot 1 keeps slot 0's copy
     for w in lost:
         processes[w].send_signal(signal.SIGKILL)
@@ -74,6 +86,7 @@ def test_a_worker_lost_with_its_buddy_falls_back_to_the_checkpoint(live_job, uni
 def test_a_worker_lost_mid_change_has_the_change_retried_without_it(live_job, uninterrupted):
     store = live_job[0]
     processes, slots = _pipeline_job(live_job, 5)
+    wait_for(lambda: _between_saves(live_job[3]), 180, "a checkpoint, and no save in flight")
     generation = store.current_generation()
     processes[slots[2]].send_signal(signal.SIGTERM)  # a notice: the layout changes without it
     new = wait_for(lambda: store.current_generation() > generation and store.latest_plan(), 60, "the change")
@@ -90,3 +103,37 @@ def test_a_worker_lost_mid_change_has_the_change_retried_without_it(live_job, un
     assert change.kind != "restart" and change.source.startswith("snapshots of generation")
     assert 0 <= change.lost_steps <= COPY_INTERVAL
     assert not any(c.kind == "restart" for c in changes if c.generation > 1)
+
+
+def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(live_job, uninterrupted):
+    """The first layout, one worker, grows onto a joiner that is killed while the change is
+    applied: the old worker kept its state through the failed change, so the change is
+    retried from it without the joiner, losing no step."""
+    store, coordinator, worker, tmp_path = live_job
+    profile = json.loads((REPO / "configs/profiles/gpt-tiny-cpu.json").read_text())
+    (tmp_path / "profile.json").write_text(json.dumps({**profile, "max_tensor_parallel": 1}))  # replicas only
+    config = tmp_path / "coordinator.yaml"
+    config.write_text("\n".join(f"profile: {tmp_path / 'profile.json'}" if line.startswith("profile:")
+                                else "min-workers: 1" if line.startswith("min-workers:")
+                                else "max-workers: 1" if line.startswith("max-workers:") else line
+                                for line in config.read_text().splitlines()))
+    processes = {w: worker(w) for w in (0, 1)}
+    wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
+    first = coordinator("a")  # plans one worker: worker 1 waits on standby
+    wait_for(lambda: store.members()[0].generation >= 1, 120, "the first layout")
+    assert store.plan(1).layout["slots"] == [0]
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=30) == 0
+    config.write_text(config.read_text().replace("max-workers: 1", "max-workers: 2"))
+    coordinator("b")  # grows the layout onto worker 1
+    grown = wait_for(lambda: store.current_generation() > 1 and store.latest_plan(), 60, "the growth")
+    processes[1].send_signal(signal.SIGKILL)  # before or while it is applied
+    assert 1 in grown.layout["slots"]
+    changes, _ = _check(live_job, processes, [0], uninterrupted)
+    plans = [e for e in read_events(tmp_path / "coordinator-b.events.jsonl") if isinstance(e, PlanPublished)]
+    after = [p for p in plans if p.generation > grown.generation]
+    retried = [p for p in after if "retried from the state the workers kept" in p.reason]
+    assert retried and retried[0].recovery == "replicas", plans
+    assert all(1 not in p.workers and p.recovery in ("", "replicas") for p in after), plans
+    assert not any(c.kind == "restart" for c in changes if c.generation > 1)
+    assert not any(c.lost_steps for c in changes)

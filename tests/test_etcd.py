@@ -87,6 +87,9 @@ BAD_PAYLOADS = [
     (b'{"worker_id": 7, "instance": "a", "pid": 0, "registered_at": 1.0, "generation": 0, "broken": 0, "state_kept": true, "local_rank": 0}', "value 0 outside"),
     (b'{"worker_id": 7, "instance": "", "pid": 1, "registered_at": 1.0, "generation": 0, "broken": 0, "state_kept": true, "local_rank": 0}', "length 0 outside"),
     (b'{"worker_id": 8, "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 0, "broken": 0, "state_kept": true, "local_rank": 0}', "worker_id 8 does not match the key"),
+    (b'{"worker_id": 7, "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 3, "broken": 2, "state_kept": true, "local_rank": 0, "state_of": 3}', "state_of generation 3 is newer than broken generation 2"),
+    (b'{"worker_id": 7, "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 3, "broken": 3, "state_kept": false, "local_rank": 0, "state_of": 2}', "state_kept false with state_of 2"),
+    (b'{"worker_id": 7, "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 3, "broken": 3, "state_kept": true, "local_rank": 0, "state_of": -1}', "value -1 outside"),
     (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),
 ]
 
@@ -99,6 +102,18 @@ def test_malformed_member_payload_is_refused(client, payload, why):
     with pytest.raises(SchemaError) as info:
         store.members()
     assert why in str(info.value) and key in str(info.value)
+
+
+def test_a_broken_members_record_says_which_layouts_state_it_holds():
+    """`state_of` names the layout a worker kept the state of when a change failed; a record
+    without it (an older worker's) holds the broken generation's, as `state_kept` says."""
+    older = {"worker_id": 7, "instance": "a", "pid": 1, "registered_at": 1.0, "generation": 3, "broken": 3,
+             "state_kept": True, "local_rank": 0}
+    assert MemberRecord.decode(json.dumps(older).encode(), "m").kept_state_of() == 3
+    assert MemberRecord.decode(json.dumps({**older, "state_kept": False}).encode(), "m").kept_state_of() == 0
+    assert MemberRecord.decode(json.dumps({**older, "state_of": 2}).encode(), "m").kept_state_of() == 2
+    assert MemberRecord.decode(json.dumps({**older, "state_kept": False, "state_of": 0}).encode(),
+                               "m").kept_state_of() == 0
 
 
 def test_malformed_generation_and_plans_are_refused(client):

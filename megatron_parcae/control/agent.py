@@ -307,17 +307,19 @@ class ParcaeAgent:
             self._member_dirty = True
         self._wake.ring()
 
-    def report_broken(self, generation: int, state_kept: bool) -> None:
+    def report_broken(self, generation: int, state_of: int) -> None:
         """Record that the WORLD of `generation` failed under this process (published in the
         background), and that no plan up to `generation` is pending any more: the
-        coordinator answers with a newer one. `state_kept`: this process still holds its
-        state of that generation's layout (it failed while training, not mid-change)."""
+        coordinator answers with a newer one. `state_of`: the generation of the layout
+        whose state this process still holds, whole at its last applied step: `generation`
+        (it failed while training), an older one (it failed mid-change and kept the state
+        it brought into the change), 0 (it holds none)."""
         with self._lock:
             if generation < self._current:
                 raise AgentError(f"cannot report generation {generation} broken: this process runs {self._current}")
             self._current = generation
             self._member = dataclasses.replace(self._member, generation=generation, broken=generation,
-                                               state_kept=state_kept)
+                                               state_kept=state_of > 0, state_of=state_of)
             self._member_dirty = True
         self._wake.ring()
 
@@ -366,10 +368,11 @@ class ParcaeAgent:
         Unlike the rest, this is sent from the caller's thread: a restart from a checkpoint
         counts the steps it loses from it, also when every process that trained them died.
         A restart's record is written at once. A step's is sent at once and
-        `progress_written()` waits for etcd's answer: the caller calls it after the next
+        `progress_written()` waits for etcd's answer: the caller calls it after the
         boundary's plan agreement, so that its peers do not wait for etcd too (about 2 ms a
         step on a busy machine; a background thread writing it instead cost more, taking
-        the GIL from the step). Should every process that trained a step die in the
+        the GIL from the step); between agreements the next record waits for it, long
+        answered by then. Should every process that trained a step die in the
         milliseconds its record is in flight, a restart counts one step fewer than it
         retrains. While etcd does not answer, the agent thread writes the newest record
         once it does (the step does not wait out a deadline).

@@ -18,10 +18,12 @@ Rules it keeps:
   change the optimizer merely prefers (growth, a better shape) waits until every worker
   of the current layout has acknowledged it, so plans are applied one at a time.
 - Workers whose WORLD broke (a peer died without notice or stalled) say so in their
-  member record. Once every live worker of the layout has, the next plan moves their
-  state in place without the lost ones, or re-forms the same layout if none was lost;
-  if any of them lost its state (it broke mid-change) or a layer lost every replica,
-  the job resumes from its last checkpoint.
+  member record, and which layout's state they hold. Once every live worker of the
+  layout has, the next plan moves their state in place without the lost ones, or
+  re-forms the same layout if none was lost; a change that broke mid-way is planned
+  again, without the lost ones, from the layout it started from, whose state its workers
+  kept. What no live worker holds comes from the workers' snapshots, else from the last
+  checkpoint.
 - A worker whose member record changed process (it died and came back under the same
   id) lost its state: it counts as lost, and joins again later as a new worker. Workers
   dropped as lost that still hold a member key (a notice whose deadline passed) are
@@ -270,7 +272,7 @@ class MemberView:
     lost: frozenset[int]  # in the layout, and neither available nor leaving
     restarted: frozenset[int]  # in the layout, but their member key belongs to a new process
     broken: frozenset[int]  # in the layout and available, but the layout's WORLD broke under them
-    state_kept: bool  # every broken worker still holds its state of the layout
+    state_kept: bool  # every broken worker holds its state of the layout (not an older one's, not none)
     placement: Placement  # the instances of the members (and of the layout's lost workers)
     notices: dict[int, NoticeRecord]  # of the members
     noticed: frozenset[int]  # members under a notice whose deadline has not passed
@@ -523,7 +525,8 @@ class Coordinator:
         leaving = (noticed - expired - restarted) & in_layout
         broken = frozenset(w for w in in_layout & available if members[w].broken == generation)
         return MemberView(available, leaving, in_layout - available - leaving, restarted, broken,
-                          all(members[w].state_kept for w in broken), placement, notices, noticed - expired - restarted)
+                          all(members[w].kept_state_of() == generation for w in broken), placement, notices,
+                          noticed - expired - restarted)
 
     def _expired(self, notices: dict[int, NoticeRecord], placement: Placement, now: float) -> frozenset[int]:
         """Noticed workers that can no longer send state: the deadline passed and their
@@ -639,7 +642,7 @@ class Coordinator:
                 view = dataclasses.replace(view, available=view.available - waiting, lost=view.lost | waiting)
                 waiting = frozenset()
             if not waiting:
-                decision = self._recovery(current, view)
+                decision = self._recovery(generation, current, view, members)
                 if decision.layout is None:
                     self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting")
                 else:
@@ -859,19 +862,43 @@ class Coordinator:
         return any(self._admitted.get(w) == _process(members[w]) and members[w].generation < generation
                    for w in layout.workers & frozenset(members))
 
-    def _recovery(self, current: Layout, view: MemberView) -> Decision:
+    def _recovery(self, generation: int, current: Layout, view: MemberView,
+                  members: dict[int, MemberRecord]) -> Decision:
         """The plan after the current layout's WORLD broke (every live worker of it reported):
-        from the state the workers kept, else from their snapshots, else from the last
-        checkpoint."""
+        from the state the workers kept (of the current layout, or of the one its change
+        started from), else from their snapshots, else from the last checkpoint."""
         if view.state_kept:
-            decision = self._decide(current, view.available, self._forecast, view.leaving,
-                                    placement=view.placement)
-            if decision.layout == current:
-                return self._optimizer.rebuild(current)
+            decision = self._in_place(current, view, view.leaving)
             if decision.plan is not None or decision.layout is None:
                 return decision
-        return self._from_copies(view) or self._decide(None, view.available, self._forecast,
-                                                       placement=view.placement)
+        return self._retry(generation, view, members) or self._from_copies(view) \
+            or self._decide(None, view.available, self._forecast, placement=view.placement)
+
+    def _in_place(self, layout: Layout, view: MemberView, leaving: frozenset[int]) -> Decision:
+        """The optimizer's decision from `layout`, whose state its live workers hold after its
+        WORLD broke: `layout` itself, re-formed, where it stays."""
+        decision = self._decide(layout, view.available, self._forecast, leaving, placement=view.placement)
+        return self._optimizer.rebuild(layout) if decision.layout == layout else decision
+
+    def _retry(self, generation: int, view: MemberView, members: dict[int, MemberRecord]) -> Decision | None:
+        """After the change of `generation` broke mid-way: the change planned again, without
+        the lost workers, from the layout it started from, whose state its workers kept.
+        None when they kept none (or of several layouts), an available worker of that layout
+        did not keep it, or a lost one's state is not held by another."""
+        kept = {members[w].kept_state_of() for w in view.broken} - {0}
+        if len(kept) != 1 or generation in kept:
+            return None
+        source = kept.pop()
+        envelope = self._store.plan(source)
+        if envelope is None or envelope.action != TRAIN:
+            return None
+        layout = Layout.from_dict(envelope.layout)
+        holders = frozenset(w for w in layout.workers & frozenset(members)
+                            if members[w].broken == generation and members[w].kept_state_of() == source)
+        if (layout.workers & view.available) - holders:
+            return None
+        decision = self._in_place(layout, view, view.noticed & holders)
+        return decision if decision.plan is not None else None
 
     def _from_copies(self, view: MemberView) -> Decision | None:
         """A plan that rolls the workers back to their newest snapshots (reconfig/copies.py)
@@ -894,7 +921,7 @@ class Coordinator:
         assert decision.layout is not None
         kind = "start" if current is None else "restart" if decision.plan is None else decision.plan.kind
         self._publish(generation, decision.layout, decision.plan, decision.cost.seconds, kind,
-                      self._reason(current, decision.layout, view), view, members)
+                      self._reason(current, decision.layout, view, decision.plan), view, members)
 
     def _publish(self, generation: int, layout: Layout, plan: MigrationPlan | None, seconds: float, kind: str,
                  reason: str, view: MemberView, members: dict[int, MemberRecord], action: str = TRAIN) -> None:
@@ -925,13 +952,16 @@ class Coordinator:
                 log.info("fenced worker %d: dropped from the layout as lost while still registered", worker)
 
     @staticmethod
-    def _reason(current: Layout | None, layout: Layout, view: MemberView) -> str:
+    def _reason(current: Layout | None, layout: Layout, view: MemberView, plan: MigrationPlan | None = None) -> str:
         if current is None:
             return f"start on {len(layout.workers)} of {len(view.available)} workers"
         parts = []
         if view.broken:
-            parts.append(f"WORLD broke under workers {_ids(view.broken)}"
-                         f"{'' if view.state_kept else ', some mid-change'}")
+            # A plan after a break mid-change that moves live workers' state is a retry (_retry).
+            retried = plan is not None and plan.request.copies is None
+            mid = "" if view.state_kept else \
+                ", mid-change: retried from the state the workers kept" if retried else ", some mid-change"
+            parts.append(f"WORLD broke under workers {_ids(view.broken)}{mid}")
         if view.leaving:
             parts.append(f"notice from workers {_ids(view.leaving)}")
         if view.lost:

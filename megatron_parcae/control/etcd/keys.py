@@ -175,8 +175,11 @@ _NAME = Field(str, 1, 253)
 class MemberRecord(Record):
     """A live training process; `generation` is the newest plan it has applied (or failed
     to apply). `broken` is the newest generation whose WORLD failed under it (a peer died
-    or stalled), 0 if none; `state_kept` says whether it still holds its state of that
-    generation's layout, whole at its last applied step (False: it failed mid-change).
+    or stalled), 0 if none; `state_kept` says whether it still holds state, whole at its
+    last applied step, and `state_of` the generation of the layout that state is of:
+    `broken`'s (it failed while training) or an older one's (it failed mid-change and kept
+    the state it brought into the change); 0 when it holds none. None (an older worker's
+    record): `broken`'s if `state_kept`.
     `can_save`: it writes checkpoints (--save), so the coordinator may ask it to save and
     exit when the whole job is leaving. `model` is the model it trains
     (`ModelShape.to_dict()`), so that the coordinator plans only layouts it can be built in
@@ -195,17 +198,30 @@ class MemberRecord(Record):
     can_save: bool = False
     model: dict | None = None
     failure_domain: str | None = None
+    state_of: int | None = None
 
     SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME,
               "generation": Field(int, 0, MAX_GENERATION), "broken": Field(int, 0, MAX_GENERATION),
               "state_kept": Field(bool), "local_rank": Field(int, 0, 1023), "can_save": Field(bool, absent=False),
               "model": Field(dict, 1, 32, nullable=True, absent=None),
-              "failure_domain": Field(str, 1, 253, nullable=True, absent=None)}
+              "failure_domain": Field(str, 1, 253, nullable=True, absent=None),
+              "state_of": Field(int, 0, MAX_GENERATION, nullable=True, absent=None)}
 
     def check(self, where: str) -> None:
         if self.broken > self.generation:
             raise SchemaError(where, f"broken generation {self.broken} is newer than generation {self.generation}")
+        if self.state_of is not None and self.state_of > self.broken:
+            raise SchemaError(where, f"state_of generation {self.state_of} is newer than broken generation "
+                                     f"{self.broken}")
+        if self.state_of is not None and self.state_kept != (self.state_of > 0):
+            raise SchemaError(where, f"state_kept {str(self.state_kept).lower()} with state_of {self.state_of}")
         self.shape(where)
+
+    def kept_state_of(self) -> int:
+        """The generation of the layout whose state it holds after its break; 0: none."""
+        if not self.state_kept:
+            return 0
+        return self.broken if self.state_of is None else self.state_of
 
     def shape(self, where: str = "member") -> ModelShape | None:
         """The model it trains, None if not said; parsed once (check() parses it when the

@@ -24,11 +24,14 @@ notice and delivers the coordinator's plans; this module applies them:
   blocked on it fail at once, tells the coordinator (`broken` in its member record) and
   waits for the next plan. Its state is whole at its last applied step (the training step
   makes no collective after its update), so that plan can be an in-place migration
-  without the lost peer. A failure while a plan is applied drops the state instead.
+  without the lost peer. A failure while a migration is applied keeps the state the
+  worker brought into it (a migration only reads it) and says of which layout, so the
+  coordinator can retry the change from that layout without the lost peer; a failed
+  rollback to snapshots or restart drops it.
 - Snapshots (reconfig/copies.py, every --parcae-copy-interval steps and after the first
   step of each layout): each worker keeps its state in host memory and a copy of its
   ward's. When no live worker holds some lost state (no replica, the distributed
-  optimizer's shards, a failure mid-change), the next plan rolls the survivors back to
+  optimizer's shards, a failed rollback), the next plan rolls the survivors back to
   their snapshots and fills the lost workers' slots from their buddies' copies; only
   when a worker and its buddy are both lost does the job resume from its checkpoint.
 - `finish()`: the worker that ends training records it in etcd, so standby workers and
@@ -99,9 +102,24 @@ class WorkerFenced(LiveJobError):
     with agent.FENCED_EXIT, which launchers can tell from an error."""
 
 
+class ChangeFailed(MigrationError):
+    """A migration failed after this worker brought `held` into it: `held` is still whole
+    (a migration only reads it), so the change can be retried from it."""
+
+    def __init__(self, held: HeldState, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.held = held
+
+
 def _is_running(runtime: Runtime | HeldState | None) -> bool:
     """Whether this worker runs a layout (not just holds state it took out of a broken one)."""
     return runtime is not None and not isinstance(runtime, HeldState)
+
+
+def _change_failed(error: BaseException) -> bool:
+    """Whether `error` ends a change this worker can report and wait out: a peer failed, a
+    newer plan superseded the change, or the plan could not be carried out."""
+    return not isinstance(error, LiveJobError) and (isinstance(error, MigrationError) or is_peer_failure(error))
 
 
 class LiveReconfiguration:
@@ -137,6 +155,10 @@ class LiveReconfiguration:
         self._copy_holders: dict[int, int] = {}  # of the running layout: worker -> keeper of its copy
         self._broken_at = 0  # the newest generation whose WORLD broke under this worker
         self._copies_generation = 0  # of the layout's newest snapshots (some joiners hold none), 0: none
+        # The layout whose state this worker runs, or holds after a failure, and the
+        # generation of the plan that built it.
+        self._state_of = 0
+        self._state_layout: Layout | None = None
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -160,8 +182,8 @@ class LiveReconfiguration:
         if changed:
             self.before_change()
             runtime, consumed_samples = self._apply_until(newest, runtime, consumed_samples)
-            if runtime is None:
-                return self._await_plan(None, consumed_samples)
+            if not _is_running(runtime):
+                return self._await_plan(runtime, consumed_samples)
         if not changed:  # a joiner's first boundary in the layout is after its first step: wait for it
             self._keep_copies(runtime, consumed_samples)
         # As after _await_plan: the first step of a new layout warms it up (allocations, the
@@ -223,7 +245,7 @@ class LiveReconfiguration:
         # step; the distributed optimizer would need its (broken) data-parallel group.
         held = None if self.args.use_distributed_optimizer else export_held_state(runtime)
         release_runtime(runtime)
-        self._report_broken(self.generation, consumed_samples, error, state_kept=held is not None)
+        self._report_broken(self.generation, consumed_samples, error, self._state_of if held is not None else 0)
         return self._await_plan(held, consumed_samples)
 
     def finish(self, consumed_samples: int | None) -> None:
@@ -323,14 +345,17 @@ class LiveReconfiguration:
                 else None if request is None or request.copies is not None else request.lost)
         return self._lost_by_generation[generation]
 
-    def _report_broken(self, generation: int, consumed_samples: int, error: BaseException, state_kept: bool) -> None:
+    def _report_broken(self, generation: int, consumed_samples: int, error: BaseException, state_of: int) -> None:
+        """Tell the coordinator that `generation` broke under this worker, which holds the
+        state of `state_of`'s layout (0: none)."""
         self._broken_at = generation
         self.world.break_generation(generation)  # peers blocked on this worker fail now, not at their timeout
-        self.agent.report_broken(generation, state_kept)
+        self.agent.report_broken(generation, state_of)
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        kept = f"keeping its state of generation {state_of}" if state_of else "holding no state"
         print(f" worker {self.world.worker}: generation {generation} broke at iteration "
-              f"{consumed_samples // self.samples_per_iteration} ({reason}); "
-              f"{'keeping its state' if state_kept else 'its state is gone'}, waiting for the next plan", flush=True)
+              f"{consumed_samples // self.samples_per_iteration} ({reason}); {kept}, waiting for the next plan",
+              flush=True)
 
     def _await_plan(self, state: HeldState | None, consumed_samples: int) -> tuple[Runtime | None, int]:
         """Wait for the next plan and apply it, then, left without a slot, for one that
@@ -366,21 +391,23 @@ class LiveReconfiguration:
                 return runtime, consumed_samples
 
     def _apply_until(self, newest: int, runtime: Runtime | HeldState | None,
-                     consumed_samples: int) -> tuple[Runtime | None, int]:
+                     consumed_samples: int) -> tuple[Runtime | HeldState | None, int]:
         """Apply the plans up to `newest` in order (`runtime` is a HeldState only after a
-        failure); a failure on the way is reported and leaves this worker with nothing."""
+        failure); a failure on the way is reported and leaves this worker with the state it
+        kept (ChangeFailed), else with nothing."""
         for generation in range(self.generation + 1, newest + 1):
             self._applying = generation
             try:
                 runtime, consumed_samples = self._apply(self._plan(generation), runtime, consumed_samples)
             except RuntimeError as exc:
-                if isinstance(exc, LiveJobError) or not (isinstance(exc, MigrationError) or is_peer_failure(exc)):
+                if not _change_failed(exc):
                     raise
                 if _is_running(runtime):
                     release_runtime(runtime)  # already done unless the failure came first
+                kept = exc.held if isinstance(exc, ChangeFailed) else None
                 self.generation = generation
-                self._report_broken(generation, consumed_samples, exc, state_kept=False)
-                return None, consumed_samples
+                self._report_broken(generation, consumed_samples, exc, self._state_of if kept is not None else 0)
+                return kept, consumed_samples
             self.generation = generation
             self.agent.acknowledge(generation)
         return runtime, consumed_samples
@@ -430,6 +457,13 @@ class LiveReconfiguration:
                                "optimizer, this run is not (set distributed-optimizer in the coordinator's config "
                                "as --use-distributed-optimizer is here)")
         request = plan.request
+        # A plan from another layout than the one whose state this worker kept when a change
+        # failed was made before the coordinator heard of it: failing it at once, keeping
+        # the state, has the coordinator plan from that layout.
+        if isinstance(runtime, HeldState) and request.copies is None and request.old != self._state_layout:
+            raise ChangeFailed(runtime, MigrationError(
+                f"generation {envelope.generation} migrates from another layout than generation {self._state_of}'s, "
+                "whose state this worker holds"))
         # From copies, a worker of the current layout that joined after the snapshots were
         # taken holds nothing of theirs: it joins again.
         if runtime is not None and me not in request.survivors | request.leaving \
@@ -442,17 +476,15 @@ class LiveReconfiguration:
             consumed_samples = max(consumed_samples, self._recorded_samples())
         handed_over = _is_running(runtime)
         held = hand_over(runtime) if handed_over else runtime
-        runtime, consumed_samples = migrate(plan, envelope.generation, self.world, held, self.build,
-                                            consumed_samples, self.snapshots)
+        try:
+            runtime, consumed_samples = self._enter(envelope, plan, held, consumed_samples)
+        except RuntimeError as exc:
+            # A rollback's state came from snapshots: what it held before is not kept.
+            if held is None or request.copies is not None or not _change_failed(exc):
+                raise
+            raise ChangeFailed(held, exc) from exc
         if runtime is None:
             return runtime, consumed_samples
-        self._copy_holders = envelope.holders()
-        # The snapshots the layout's workers hold until they take its own: a joiner that is
-        # rank 0 holds none, but records their generation for the coordinator.
-        held = planes.control_tensor([0 if self.snapshots is None else self.snapshots.generation])
-        dist.all_reduce(held, op=dist.ReduceOp.MAX)
-        self._copies_generation = int(held[0])
-        measure_network(self.store, plan.new, envelope.generation, collective_timeout(self.args))  # once per job
         if dist.get_rank() == 0:
             figures = change_figures(plan, started)
             gbs = self.samples_per_iteration
@@ -466,6 +498,29 @@ class LiveReconfiguration:
             # layout began timing before its peers' last step ended: not the change's time.
             if handed_over:
                 self.agent.report_change(envelope.generation, figures.kind, figures.phases)
+        return runtime, consumed_samples
+
+    def _enter(self, envelope: PlanEnvelope, plan: MigrationPlan, held: HeldState | None,
+               consumed_samples: int) -> tuple[Runtime | None, int]:
+        """Migrate to the plan's layout, then agree on what its workers need before their
+        first step (collective); if that fails, the new layout is released (its groups would
+        block the next one's)."""
+        runtime, consumed_samples = migrate(plan, envelope.generation, self.world, held, self.build,
+                                            consumed_samples, self.snapshots)
+        if runtime is None:
+            return runtime, consumed_samples
+        try:
+            # The snapshots the layout's workers hold until they take its own: a joiner that
+            # is rank 0 holds none, but records their generation for the coordinator.
+            copies = planes.control_tensor([0 if self.snapshots is None else self.snapshots.generation])
+            dist.all_reduce(copies, op=dist.ReduceOp.MAX)
+            measure_network(self.store, plan.new, envelope.generation, collective_timeout(self.args))  # once per job
+        except BaseException:
+            release_runtime(runtime)
+            raise
+        self._copies_generation = int(copies[0])
+        self._copy_holders = envelope.holders()
+        self._state_of, self._state_layout = envelope.generation, plan.new
         return runtime, consumed_samples
 
     def _save_and_exit(self, generation: int, runtime: Runtime | HeldState | None,
@@ -534,6 +589,7 @@ class LiveReconfiguration:
         with built_layout(self.build, layout.parallelism, self.world, generation) as runtime:
             consumed_samples = 0 if source is None else checkpointing.load(source, runtime, finetune).consumed_samples
         self._copy_holders = envelope.holders()
+        self._state_of, self._state_layout = generation, layout
         if dist.get_rank() == 0:
             gbs = self.samples_per_iteration
             self.agent.record_progress(consumed_samples // gbs, consumed_samples, generation)  # training goes back here
