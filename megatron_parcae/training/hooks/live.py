@@ -6,11 +6,13 @@ notice and delivers the coordinator's plans; this module applies them:
 
 - `start()` registers and waits on standby, holding nothing, until a plan places the
   worker.
-- `advance()` runs at every iteration boundary. The layout's workers agree on the newest
-  generation any of them has seen (one all-reduce of one integer), so all of them apply
-  a plan at the same boundary even though each learns of it at its own moment. Plans
-  are applied in generation order with `reconfig.execute.migrate`. The time between two
-  calls is the step time the agent reports (the throughput model learns from it).
+- `advance()` runs at every iteration boundary. About every AGREEMENT_SECONDS the
+  layout's workers agree on the newest generation any of them has seen (one all-reduce
+  of a few integers, which also agrees the iteration of the next agreement), so all of
+  them apply a plan at the same boundary even though each learns of it at its own
+  moment. Plans are applied in generation order with `reconfig.execute.migrate`. The
+  time between two calls is the step time the agent reports (the throughput model
+  learns from it).
 - A plan without a migration (the job's first layout, or a restart after state was lost)
   builds its layout from the newest checkpoint under --save or --load, or from the seed.
 - A worker with a notice sends what the plan asks of it and exits; one a plan does not
@@ -88,6 +90,10 @@ from reconfig.plan import MigrationPlan
 from reconfig.world import World, is_peer_failure, process_group_backend
 
 STANDBY_POLL_SECONDS = 0.2
+# How long a published plan may wait for the boundary that applies it. An agreement every
+# step cost its all-reduce in every step (a few % of a short CPU step); a notice's grace
+# period is tens of seconds.
+AGREEMENT_SECONDS = 0.5
 DONE_POLL_SECONDS = 1.0
 T = TypeVar("T")
 
@@ -149,6 +155,8 @@ class LiveReconfiguration:
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
         self._last_boundary: float | None = None
         self._agreed: tuple[int, bool] | None = None  # what trained() agreed for the coming boundary
+        self._agree_at = 0  # the iteration whose boundary the layout's ranks agree at next (0: the next one)
+        self._step_seconds: float | None = None  # the newest measured step of the running layout
         self.before_change = before_change  # complete what needs this WORLD (a save in flight)
         self._profile_checked: ProfileRecord | None = None
         self.snapshots = SnapshotStore() if args.parcae_copy_interval else None
@@ -171,11 +179,12 @@ class LiveReconfiguration:
     def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
         """Apply the plans due at this iteration boundary; None: this worker leaves the job."""
         now = time.perf_counter()
+        iteration = consumed_samples // self.samples_per_iteration
         if self._last_boundary is not None:
-            self.agent.report_step(consumed_samples // self.samples_per_iteration, now - self._last_boundary,
-                                   consumed_samples)
+            self._step_seconds = now - self._last_boundary
+            self.agent.report_step(iteration, self._step_seconds, consumed_samples)
         agreed, self._agreed = self._agreed, None
-        newest, cut_off = agreed if agreed is not None else self._agree()
+        newest, cut_off = agreed if agreed is not None else self._agree(iteration)
         if cut_off:
             self._save_and_stop(runtime, consumed_samples)
         changed = newest > self.generation
@@ -189,8 +198,16 @@ class LiveReconfiguration:
         # As after _await_plan: the first step of a new layout warms it up (allocations, the
         # first collectives on its groups; several steps' time) and is not a measured one,
         # or the coordinator would learn that the layout is slow.
-        self._last_boundary = None if changed else time.perf_counter()
+        if changed:
+            self._layout_started()
+        else:
+            self._last_boundary = time.perf_counter()
         return runtime, consumed_samples
+
+    def _layout_started(self) -> None:
+        """A layout was formed: its ranks agree at its first boundary, and its first step
+        is not measured."""
+        self._last_boundary, self._step_seconds, self._agree_at = None, None, 0
 
     def _keep_copies(self, runtime: Runtime, consumed_samples: int) -> None:
         """Snapshot the layout's state with its buddies' copies, when due (every worker of the
@@ -214,22 +231,26 @@ class LiveReconfiguration:
 
     def trained(self, consumed_samples: int) -> None:
         """A step was applied (before it is logged): rank 0 records how far the job got,
-        and the ranks agree on what the coming boundary applies. Here the step's last
-        collective has just lined the ranks up; at the boundary they would all wait for
-        rank 0's logging, which otherwise overlaps their next step."""
+        and, when due, the ranks agree on what the coming boundary applies. Here the step's
+        last collective has just lined the ranks up; at the boundary they would all wait
+        for rank 0's logging, which otherwise overlaps their next step."""
+        iteration = consumed_samples // self.samples_per_iteration
         if dist.get_rank() == 0:
-            self.agent.record_progress(consumed_samples // self.samples_per_iteration, consumed_samples,
-                                       copies=self._copies_generation)
-        self._agreed = self._agree()
+            self.agent.record_progress(iteration, consumed_samples, copies=self._copies_generation)
+        self._agreed = self._agree(iteration) if iteration >= self._agree_at else (self.generation, False)
 
-    def _agree(self) -> tuple[int, bool]:
-        """(newest plan generation any rank has, whether any rank must stop without a plan)."""
+    def _agree(self, iteration: int) -> tuple[int, bool]:
+        """(newest plan generation any rank has, whether any rank must stop without a plan),
+        and the iteration of the next agreement: AGREEMENT_SECONDS of the slowest rank's
+        steps on."""
         self._check_fenced()  # an etcd gone past the bound is agreed on below, to save first
         pending = self.agent.pending_plan()
+        steps = 1 if self._step_seconds is None else max(1, int(AGREEMENT_SECONDS / self._step_seconds))
         agreed = planes.control_tensor([pending.generation if pending is not None else self.generation,
-                                        int(self._cut_off() is not None)])
+                                        int(self._cut_off() is not None), -steps])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         self.agent.progress_written()  # rank 0's record of the step, sent before the agreement
+        self._agree_at = iteration - int(agreed[2])
         return int(agreed[0]), bool(agreed[1])
 
     def can_recover(self, error: BaseException) -> bool:
@@ -240,6 +261,7 @@ class LiveReconfiguration:
         """A collective of the running layout failed (a peer died or stalled): report it,
         keep this worker's state and apply the coordinator's next plan."""
         self._agreed = None  # agreed in the broken WORLD
+        self._layout_started()
         self._check_membership()
         # With the plain optimizer this rank's state is local and whole at its last applied
         # step; the distributed optimizer would need its (broken) data-parallel group.
@@ -387,7 +409,7 @@ class LiveReconfiguration:
                 continue
             runtime, consumed_samples = self._apply_until(pending.generation, runtime, consumed_samples)
             if _is_running(runtime):
-                self._last_boundary = None  # the next step is the first of a new layout: not a measured one
+                self._layout_started()
                 return runtime, consumed_samples
 
     def _apply_until(self, newest: int, runtime: Runtime | HeldState | None,
