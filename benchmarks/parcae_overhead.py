@@ -4,9 +4,9 @@ at most 2% on CPU).
 The same GPT-tiny training (configs/gpt-tiny.yaml, real data) runs in two ways:
 - plain: torchrun with N processes and the fixed layout T=1, P=1, D=N;
 - parcae: a local etcd, `parcae coordinator` and N workers started on their own with
-  `--parcae --parcae-etcd` (agent thread, lease, one all-reduce of the newest plan
-  generation and a step report per iteration). The coordinator's throughput table lists
-  only T=1, P=1, D=N, so it places the workers in the layout of the plain run.
+  `--parcae --parcae-etcd` (agent thread, lease, rank 0's progress record every step, the
+  plan agreement about every half second, step reports). The coordinator's throughput
+  table lists only T=1, P=1, D=N, so it places the workers in the layout of the plain run.
 
 Two figures per iteration, both over the same counted iterations (all but the first
 WARMUP after the last layout change; the first plan comes at iteration 0):
