@@ -179,7 +179,8 @@ class LayoutChange(Event):
 class CopiesKept(Event):
     """The first snapshot of the layout of `generation` (reconfig/copies.py), at `iteration`:
     one is taken every `interval` steps; the reporting worker holds `mib` of host memory
-    for it (its own state and, with `has_ward`, its ward's copy) and took `seconds`."""
+    for it (its own state and, with `has_ward`, its ward's copy; a ward that is a DP peer
+    needs none) and took `seconds`."""
 
     NAME = "copies_kept"
     generation: int
@@ -190,8 +191,9 @@ class CopiesKept(Event):
     has_ward: bool
 
     def log_line(self) -> str:
+        ward = " with a buddy copy" if self.has_ward else " (no other worker's copy to keep)"
         return (f" snapshot of generation {self.generation} at iteration {self.iteration}: {self.mib:.1f} MiB in "
-                f"host memory{' with a buddy copy' if self.has_ward else ' (no buddy on another instance)'}, "
+                f"host memory{ward}, "
                 f"{self.seconds * 1000.0:.0f} ms, every {self.interval} steps")
 
 

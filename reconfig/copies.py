@@ -10,6 +10,9 @@ they all hold and take the lost worker's slices from its buddy (`plan.Copies`), 
 the steps in between. Only a worker lost together with its buddy sends the job back to
 its checkpoint.
 
+A worker's DP peers (same stage, same tensor rank) take identical snapshots, so a buddy
+that is one already holds the copy: nothing is sent to it.
+
 A snapshot is pending until every worker of the layout has confirmed its exchange, then
 committed; the older one is dropped only then. So whenever one worker has committed a
 snapshot every worker holds it (committed or pending), and otherwise every worker still
@@ -52,7 +55,9 @@ class Snapshot:
         return snapshot_key(self.generation, self.iteration)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for state in (self.own, self.ward_state) if state is not None
+        """Host memory held (a DP peer's copy is this worker's own snapshot, counted once)."""
+        states = [self.own] + ([self.ward_state] if self.ward_state not in (None, self.own) else [])
+        return sum(t.numel() * t.element_size() for state in states
                    for tensors in state.tensors.values() for t in tensors.values())
 
 
@@ -141,18 +146,18 @@ class SnapshotStore:
         return 0 if self.committed is None else self.committed.generation
 
     def take(self, runtime: Runtime, world: World, generation: int, iteration: int, consumed_samples: int,
-             buddy: int | None, ward: int | None) -> Snapshot:
+             buddy: int | None, ward: int | None, peers: frozenset[int]) -> Snapshot:
         """Snapshot this worker's state, swap copies with buddy and ward, and commit once
         every worker of the layout has (collective over WORLD, point to point with the
-        buddy and the ward)."""
+        buddy and the ward unless they are among its DP `peers`)."""
         own = _detached(export_held_state(runtime))
-        snapshot = Snapshot(generation, iteration, consumed_samples, own, ward, None)
+        snapshot = Snapshot(generation, iteration, consumed_samples, own, ward, own if ward in peers else None)
         self.pending = None
         rank_of = {w: r for r, w in enumerate(world.members)}
         sends = []
-        if buddy is not None:
+        if buddy is not None and buddy not in peers:
             sends = [dist.isend(m, rank_of[buddy], tag=_TAG + i) for i, m in enumerate(framed(*_header(snapshot)))]
-        if ward is not None:
+        if ward is not None and ward not in peers:
             sizes = planes.control_buffer(2, torch.int64)
             dist.recv(sizes, rank_of[ward], tag=_TAG)
             header = planes.control_buffer(int(sizes[0]), torch.uint8)

@@ -380,6 +380,11 @@ class Layout:
     def slot_of(self, worker: int) -> Slot:
         return self.parallelism.slot(self.rank_of(worker))
 
+    def dp_peers(self, worker: int) -> frozenset[int]:
+        """The other workers of `worker`'s DP group: they hold the same slice of the model."""
+        mine = self.slot_of(worker)
+        return frozenset(self.worker_at(Slot(mine.tp, mine.pp, d)) for d in range(self.dp) if d != mine.dp)
+
     def worker_at(self, slot: Slot) -> int:
         return self.slots[self.parallelism.rank(slot)]
 

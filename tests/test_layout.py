@@ -181,6 +181,9 @@ def test_layout_slots_and_lookups() -> None:
     assert (layout.tp, layout.pp, layout.dp, layout.stage_layers) == (2, 2, 2, (2, 2))
     with pytest.raises(ValueError, match="worker 9 has no slot"):
         layout.slot_of(9)
+    assert layout.dp_peers(4) == {6}  # tp 1, pp 0: ranks 1 and 3
+    assert Layout(Parallelism.even(4, 1, 1, 3), (2, 0, 1)).dp_peers(0) == {1, 2}
+    assert Layout(Parallelism.even(4, 2, 2, 1), (0, 1, 2, 3)).dp_peers(3) == frozenset()
 
 
 def test_json_round_trip() -> None:

@@ -32,8 +32,9 @@ notice and delivers the coordinator's plans; this module applies them:
   rollback to snapshots or restart drops it.
 - Snapshots (reconfig/copies.py, every --parcae-copy-interval steps and after the first
   step of each layout): each worker keeps its state in host memory and a copy of its
-  ward's. When no live worker holds some lost state (no replica, the distributed
-  optimizer's shards, a failed rollback), the next plan rolls the survivors back to
+  ward's (none sent when the ward is a DP peer: its own snapshot is the same). When no
+  live worker holds some lost state (no replica, the distributed optimizer's shards, a
+  failed rollback), the next plan rolls the survivors back to
   their snapshots and fills the lost workers' slots from their buddies' copies; only
   when a worker and its buddy are both lost does the job resume from its checkpoint.
 - `finish()`: the worker that ends training records it in etcd, so standby workers and
@@ -221,13 +222,14 @@ class LiveReconfiguration:
         started = time.perf_counter()
         me, holders = self.world.worker, self._copy_holders
         ward = next((w for w, h in holders.items() if h == me), None)
+        peers = self._state_layout.dp_peers(me)
         snapshot = self.snapshots.take(runtime, self.world, self.generation, iteration, consumed_samples,
-                                       holders.get(me), ward)
+                                       holders.get(me), ward, peers)
         self._copies_generation = self.generation
         if first and dist.get_rank() == 0:
             events.report(events.CopiesKept(self.generation, iteration, self.args.parcae_copy_interval,
                                             snapshot.nbytes() / 2**20, time.perf_counter() - started,
-                                            ward is not None))
+                                            ward is not None and ward not in peers))
 
     def trained(self, consumed_samples: int) -> None:
         """A step was applied (before it is logged): rank 0 records how far the job got,
