@@ -557,24 +557,34 @@ def test_broken_world_waits_for_every_live_worker_then_recovers(job):
         assert "some mid-change" in decision(store, 4)["reason"]
 
 
-@pytest.mark.parametrize("dropped", [False, True], ids=["kept", "dropped"])
-def test_a_growth_broken_mid_change_is_retried_from_the_state_the_old_workers_kept(job, dropped):
+@pytest.mark.parametrize("dropped, lost_first", [(False, False), (True, False), (False, True)],
+                         ids=["kept", "dropped", "lost-before-reports"])
+def test_a_growth_broken_mid_change_is_retried_from_the_state_the_old_workers_kept(job, dropped, lost_first):
     """A joiner killed while the layout grows: the old layout's workers kept its state, so
     the change is planned again from that layout without the joiner (the other joiner,
-    which held nothing, is just available); unless one of them dropped its state."""
+    which held nothing, is just available); unless one of them dropped its state. When
+    the joiner's loss is seen before the others report, and planning from the grown layout
+    would restart, the coordinator waits for them."""
     store, workers, tmp_path = job
     workers += [Worker(store, w) for w in range(2)]
     events = tmp_path / "coordinator.events.jsonl"
-    with running(store, write_config(tmp_path, **{"min-workers": 2}), events=events):
+    # The distributed optimizer: the grown layout without the joiner has lost state.
+    config = write_config(tmp_path, **{"min-workers": 2, "distributed-optimizer": lost_first})
+    with running(store, config, events=events):
         first = wait_generation(store, 1)
         workers += [Worker(store, 2), Worker(store, 3)]  # the growth waits for the first plan's acknowledgements
         for worker in workers[:2]:
             worker.acknowledge(1)
         assert wait_generation(store, 2).workers == {0, 1, 2, 3}
+        if lost_first:
+            workers[3].vanish()
+            time.sleep(1.5)
+            assert store.current_generation() == 2, "planned from a layout the change never formed"
         workers[0].broke(2, state_kept=not dropped, state_of=0 if dropped else 1)
         workers[1].broke(2, state_kept=True, state_of=1)
         workers[2].broke(2, state_kept=False, state_of=0)
-        workers[3].vanish()
+        if not lost_first:
+            workers[3].vanish()
         retried = wait_generation(store, 3)
         if dropped:  # worker 0's state is gone and the first layout keeps no snapshots
             assert store.plan(3).migration is None and "some mid-change" in decision(store, 3)["reason"]

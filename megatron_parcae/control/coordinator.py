@@ -329,6 +329,7 @@ class Coordinator:
         self._decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self._busy_until = 0.0  # monotonic time the last migration is expected to end
         self._broken_seen: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a worker first said it broke)
+        self._loss_in_change: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a loss was seen mid-change)
         self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
         self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
         grace = optimizer.costs.constants.grace_period_seconds
@@ -664,9 +665,12 @@ class Coordinator:
                     self._publish(generation + 1, current, None, seconds, SAVE_AND_EXIT, reason, view, members,
                                   SAVE_AND_EXIT)
                     return
-                if view.lost and decision.layout is not None and decision.plan is None:
+                restart = bool(view.lost) and decision.layout is not None and decision.plan is None
+                if restart:
                     decision = self._from_copies(view) or decision  # state lost: restart only if it must
-                if decision.layout is None:
+                if restart and decision.plan is None and not settled and self._awaits_change(generation, view):
+                    pass  # the change's workers may report it broken with the state they kept (_retry)
+                elif decision.layout is None:
                     self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting"
                                     f"{self._unsaved(current, view, members)}")
                 elif decision.layout != current:
@@ -674,6 +678,18 @@ class Coordinator:
                     return
         if boundary:
             self._save()
+
+    def _awaits_change(self, generation: int, view: MemberView) -> bool:
+        """Whether to hold back a restart for workers lost while the change to `generation`
+        is applied: its live workers, whose next collective fails (within a lease period),
+        report it broken with the state they brought into it, from which `_retry` plans
+        the change again without a restart. STUCK_LEASES lease periods at most: workers
+        waiting at the new WORLD's rendezvous see only a newer plan."""
+        if self._loss_in_change[0] != generation:
+            self._loss_in_change = (generation, time.monotonic())
+            log.info("workers %s were lost while the change to generation %d is applied: waiting for its workers "
+                     "to report it broken before restarting", _ids(view.lost), generation)
+        return time.monotonic() - self._loss_in_change[1] <= STUCK_LEASES * self._config.lease_seconds
 
     def _plans_for(self, members: dict[int, MemberRecord]) -> bool:
         """Keep the optimizer to the layouts every member's model can be built in; False
