@@ -56,7 +56,8 @@ class Snapshot:
 
     def nbytes(self) -> int:
         """Host memory held (a DP peer's copy is this worker's own snapshot, counted once)."""
-        states = [self.own] + ([self.ward_state] if self.ward_state not in (None, self.own) else [])
+        ward = self.ward_state
+        states = [self.own] if ward is None or ward is self.own else [self.own, ward]
         return sum(t.numel() * t.element_size() for state in states
                    for tensors in state.tensors.values() for t in tensors.values())
 

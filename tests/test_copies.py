@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import SHAPE
+from reconfig.copies import Snapshot
+from reconfig.execute import Counters, HeldState
 from reconfig.layout import Layout, Parallelism
 from reconfig.placement import ONE_GPU, Placement, copy_holders
 from reconfig.plan import Copies, LostStateError, MigrationPlan, MigrationRequest, plan_migration
+from reconfig.tensors import ParamShard
 
 
 def _pipeline(workers: tuple[int, ...]) -> Layout:
@@ -158,3 +162,14 @@ def test_copies_are_checked_when_read():
         Copies(0, {3: 4})
     with pytest.raises(ValueError, match="pairs"):
         Copies.from_dict({"generation": 1, "holder": {"3": 4}})
+
+
+def test_a_snapshot_counts_a_dp_peers_copy_once_and_a_tensor_peers_twice():
+    def held(tp_rank: int) -> HeldState:  # one parameter's shard of a T=2 layout, four fp32 values a key
+        tensors = {"w": {key: torch.full((4,), float(tp_rank)) for key in ("param", "exp_avg", "exp_avg_sq")}}
+        return HeldState({"w": ParamShard("w", tensors["w"]["param"], 0, 1)}, tensors, tp_rank, 2, Counters(3, 3, None))
+
+    own = held(0)
+    assert Snapshot(1, 10, 320, own, 5, own).nbytes() == 48  # the ward is a DP peer: its copy is this one
+    assert Snapshot(1, 10, 320, own, 5, held(1)).nbytes() == 96  # the other tensor rank's shard, same names
+    assert Snapshot(1, 10, 320, own, None, None).nbytes() == 48
