@@ -59,6 +59,14 @@ class Iteration(Event):
     skipped_iterations: int  # fp16 steps skipped since the previous logged step
     loss_scale: float | None  # fp16's dynamic or constant loss scale; None otherwise
     tflops_per_gpu: float | None = None  # model TFLOP/s per GPU, with --log-throughput
+    # Logged by the rank 0 of the layout that recovered the step: the step's own rank 0
+    # was lost before its progress record said it had logged it, so it may have.
+    relogged: bool = False
+
+    def repeats(self, newest_logged: int | None) -> bool:
+        """Whether this logs again a step its rank 0 had logged: `newest_logged` is the newest
+        iteration logged before it (a recovered step is the newest its layout kept)."""
+        return self.relogged and newest_logged == self.iteration
 
     def log_line(self) -> str:
         fp16 = self.loss_scale is not None
@@ -74,7 +82,18 @@ class Iteration(Event):
             f"grad norm: {self.grad_norm:.6f}",
             *((f"number of skipped iterations: {self.skipped_iterations:3d}",) if fp16 else ()),
         ]
-        return " | ".join(parts) + " |"
+        return " | ".join(parts) + (" (logged again after its rank 0 was lost) |" if self.relogged else " |")
+
+
+def logged_steps(events: list[Event]) -> list[Iteration]:
+    """The Iteration events in order, less the copies of a step logged again by the layout
+    that recovered it (`relogged`) where its rank 0 had logged it already: what remains
+    more than once was trained more than once."""
+    steps: list[Iteration] = []
+    for event in events:
+        if isinstance(event, Iteration) and not event.repeats(steps[-1].iteration if steps else None):
+            steps.append(event)
+    return steps
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from helpers import ITERS, REPO, assert_close, wait_for, worker_events
-from megatron_parcae.events import CopiesKept, Iteration, LayoutChange, PlanPublished, Save, read_events
+from megatron_parcae.events import CopiesKept, Iteration, LayoutChange, PlanPublished, Save, logged_steps, read_events
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def _check(live_job, processes: dict, survivors: list[int], uninterrupted: dict)
         assert processes[w].wait(timeout=300) == 0, (logs / f"worker-{w}.log").read_text()[-3000:]
     assert store.done() is not None and store.done().iteration == ITERS
     events = worker_events(logs)
-    trained = [e for e in events if isinstance(e, Iteration)]
+    trained = logged_steps(events)
     assert sorted({e.iteration for e in trained}) == list(range(1, ITERS + 1))
     for e in trained:
         assert_close({e.iteration: e.losses["lm loss"]}, {e.iteration: uninterrupted[e.iteration]})

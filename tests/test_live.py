@@ -9,7 +9,7 @@ from collective_probe import read_findings
 from helpers import ITERS, assert_close, trained_losses, wait_for, worker_events
 import pytest
 
-from megatron_parcae.events import Iteration, LayoutChange, MigrationCostLearned, NetworkMeasured, read_events
+from megatron_parcae.events import LayoutChange, MigrationCostLearned, NetworkMeasured, logged_steps, read_events
 
 def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted):
     store, coordinator, worker, logs = live_job
@@ -53,7 +53,7 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     assert generation_at_kill + 1 in learned, learned
 
     # Every iteration once, and the same model as without any of this.
-    trained = [e.iteration for e in events if isinstance(e, Iteration)]
+    trained = [e.iteration for e in logged_steps(events)]
     assert sorted(trained) == list(range(1, ITERS + 1))
     assert_close(trained_losses(events), uninterrupted)
     # The plan agreement of every boundary ran on the control plane (the fixture checks

@@ -1,5 +1,6 @@
 """Workers lost without notice, as real processes: one stalls (SIGSTOP) past its lease,
-then another is SIGKILLed. The others go on in place, and train the same model."""
+then another is SIGKILLed; a rank 0 dies between applying a step and logging it. The
+others go on in place, train the same model and log every step."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import signal
 
 from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, worker_events
 from megatron_parcae.control.agent import FENCED_EXIT
-from megatron_parcae.events import Iteration, LayoutChange
+from megatron_parcae.events import LayoutChange, logged_steps
+
+LOST_BEFORE_LOGGING = 10  # two steps past a save (--save-interval 4), none in flight
 
 
 def _start_three(live_job) -> tuple[dict, callable]:
@@ -43,7 +46,7 @@ def _check_training(live_job, workers: dict, survivors: list[int], uninterrupted
     text = "".join((logs / f"worker-{w}.log").read_text() for w in workers)
     assert store.done() is not None and store.done().iteration == ITERS
     events = worker_events(logs)
-    trained = [e.iteration for e in events if isinstance(e, Iteration)]
+    trained = [e.iteration for e in logged_steps(events)]
     assert sorted(trained) == list(range(1, ITERS + 1))
     assert_close(trained_losses(events), uninterrupted)
     return text
@@ -77,3 +80,23 @@ def test_stalled_then_killed_workers_are_left_behind_in_place(live_job, uninterr
     coordinator_log = (logs / "coordinator-a.log").read_text()
     assert f"lost workers [{stalled}]" in coordinator_log and f"lost workers [{killed}]" in coordinator_log
     assert "WORLD broke under workers" in coordinator_log
+
+
+def test_a_step_whose_rank_0_died_before_logging_it_is_logged_by_the_layout_that_kept_it(
+        live_job, uninterrupted, monkeypatch):
+    """The layout's rank 0 is killed once the step is applied everywhere, before its log line
+    (tests/lost_before_logging): the survivors keep the step, and their new rank 0, finding
+    no record of it in etcd, logs it (flagged `relogged`)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "lost_before_logging"),
+                                                                      os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PARCAE_TEST_LOST_BEFORE_LOGGING", str(LOST_BEFORE_LOGGING))
+    store, _, _, logs = live_job
+    workers, _ = _start_three(live_job)
+    [lost] = wait_for(lambda: [w for w, p in workers.items() if p.poll() is not None], 180,
+                      f"the rank 0 of iteration {LOST_BEFORE_LOGGING} to die")
+    assert workers[lost].returncode == -signal.SIGKILL, (logs / f"worker-{lost}.log").read_text()[-3000:]
+    _check_training(live_job, workers, [w for w in workers if w != lost], uninterrupted)
+    steps = logged_steps(worker_events(logs))
+    relogged = [e for e in steps if e.relogged]
+    assert [e.iteration for e in relogged] == [LOST_BEFORE_LOGGING], relogged
+    assert [e.iteration for e in steps] == list(range(1, ITERS + 1))

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ITERS, assert_close, trained_losses, wait_for, worker_events
 from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT
-from megatron_parcae.events import Iteration, LayoutChange, Save
+from megatron_parcae.events import LayoutChange, Save, logged_steps
 from megatron_parcae.training.checkpointing import read_progress
 from megatron_parcae.training.hooks.live import LiveJobError, LiveReconfiguration
 
@@ -51,7 +51,7 @@ def test_job_noticed_at_once_saves_exits_and_resumes_losing_no_step(live_job, un
     events = worker_events(logs)
     resumed = next(e for e in events if isinstance(e, LayoutChange) and e.generation == generation + 1)
     assert (resumed.kind, resumed.iteration, resumed.lost_steps) == ("restart", reached, 0)
-    trained = [e.iteration for e in events if isinstance(e, Iteration)]
+    trained = [e.iteration for e in logged_steps(events)]
     assert sorted(trained) == list(range(1, ITERS + 1))
     assert_close(trained_losses(events), uninterrupted)
 

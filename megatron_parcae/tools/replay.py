@@ -115,6 +115,8 @@ class JobLog:
             self._take(event)
 
     def _take(self, event: Event) -> None:
+        if isinstance(event, Iteration) and event.repeats(self.trained[-1][0] if self.trained else None):
+            return
         if isinstance(event, Iteration):
             self.iteration, self.consumed_samples = event.iteration, event.consumed_samples
             self.trained_samples = event.trained_samples

@@ -9,6 +9,7 @@ layout, and hands the loop the runtime to train with at every iteration boundary
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -80,6 +81,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
         if runtime is None:
             return 0  # a worker no change placed
         progress = Progress.at(consumed, args.global_batch_size)
+        unlogged: events.Iteration | None = None  # the newest step, logged by a rank 0 that may be lost
         window_start, window_iters, window_skipped = time.perf_counter(), 0, 0
         exit_at = None  # the iteration --exit-interval stops at, once reached
         while True:
@@ -98,34 +100,31 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                 result = runtime.train_step(dataset, progress, logged or charted)
                 progress.iteration += 1  # the step is applied: what fails from here on keeps it
                 progress.consumed_samples += args.global_batch_size
-                failed = None  # a peer failure in the hook's agreement: the step is still reported
-                try:
-                    hook.trained(progress.consumed_samples)
-                except RuntimeError as exc:
-                    failed = exc
                 window_iters += 1
                 window_skipped += result.skipped
+                unlogged = None
                 if logged or charted:
                     elapsed_ms = (time.perf_counter() - window_start) * 1000.0 / window_iters
+                    # Adam counts the updates applied; every other step was skipped.
+                    skipped_total = progress.iteration - step_count(runtime.optimizer)
+                    tp, pp, dp = (runtime.args.tensor_model_parallel_size, runtime.args.pipeline_model_parallel_size,
+                                  runtime.dp_size)
+                    tflops = tflops_per_gpu(flops_per_step, elapsed_ms / 1000.0, tp * pp * dp)
+                    iteration = events.Iteration(
+                        progress.iteration, args.train_iters, progress.consumed_samples, args.global_batch_size,
+                        result.losses, result.grad_norm, result.learning_rate, elapsed_ms,
+                        progress.consumed_samples - skipped_total * args.global_batch_size, window_skipped,
+                        result.loss_scale, tflops if args.log_throughput else None)
                     if dist.get_rank() == 0:
-                        # Adam counts the updates applied; every other step was skipped.
-                        skipped_total = progress.iteration - step_count(runtime.optimizer)
-                        tp, pp, dp = (runtime.args.tensor_model_parallel_size, runtime.args.pipeline_model_parallel_size,
-                                      runtime.dp_size)
-                        tflops = tflops_per_gpu(flops_per_step, elapsed_ms / 1000.0, tp * pp * dp)
-                        iteration = events.Iteration(
-                            progress.iteration, args.train_iters, progress.consumed_samples, args.global_batch_size,
-                            result.losses, result.grad_norm, result.learning_rate, elapsed_ms,
-                            progress.consumed_samples - skipped_total * args.global_batch_size, window_skipped,
-                            result.loss_scale, tflops if args.log_throughput else None)
                         if logged:
                             events.report(iteration)
                         if charted:
                             metrics.iteration(iteration, tp, pp, dp)
+                    elif logged:
+                        unlogged = iteration  # by this rank: logged again should rank 0 be lost unrecorded
                     if logged:
                         window_start, window_iters, window_skipped = time.perf_counter(), 0, 0
-                if failed is not None:
-                    raise failed
+                hook.trained(progress.consumed_samples)  # after the log: its record says the step was logged
                 if valid_dataset is not None and progress.iteration % args.eval_interval == 0:
                     eval_start = time.perf_counter()
                     valid_losses = runtime.evaluate(valid_dataset, progress.iteration)
@@ -151,6 +150,10 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                 if metrics is not None:
                     metrics.release_run()
                 runtime, consumed = hook.recover(runtime, progress.consumed_samples, exc)
+                if (unlogged is not None and runtime is not None and consumed == unlogged.consumed_samples
+                        and hook.logs_again(consumed)):
+                    events.report(dataclasses.replace(unlogged, relogged=True))
+                unlogged = None
             if runtime is None:
                 return 0  # left the job
             progress = Progress.at(consumed, args.global_batch_size)

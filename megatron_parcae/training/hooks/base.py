@@ -21,7 +21,12 @@ class LayoutHook(Protocol):
         """At an iteration boundary: apply the layout change due here, if any."""
 
     def trained(self, consumed_samples: int) -> None:
-        """A step was applied, before it is logged; every rank calls it (it may be collective)."""
+        """A step was applied and rank 0 logged it; every rank calls it (it may be collective)."""
+
+    def logs_again(self, consumed_samples: int) -> bool:
+        """After `recover` kept the step that reached `consumed_samples`: whether this process
+        logs it, its rank 0 maybe lost before logging it (the first of the new layout's
+        ranks that trained it, where the job's record lacks the step)."""
 
     def can_recover(self, error: BaseException) -> bool:
         """Whether `recover` can continue the job after `error` left a collective broken."""
@@ -40,6 +45,9 @@ class TorchrunHook:
 
     def trained(self, consumed_samples: int) -> None:
         pass
+
+    def logs_again(self, consumed_samples: int) -> bool:
+        return False
 
     def can_recover(self, error: BaseException) -> bool:
         return False

@@ -169,6 +169,7 @@ class LiveReconfiguration:
         # generation of the plan that built it.
         self._state_of = 0
         self._state_layout: Layout | None = None
+        self._recovered_from: Layout | None = None  # the layout whose step the newest `recover` kept
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -239,10 +240,10 @@ class LiveReconfiguration:
                                             ward is not None and ward not in peers))
 
     def trained(self, consumed_samples: int) -> None:
-        """A step was applied (before it is logged): rank 0 records how far the job got,
-        and, when due, the ranks agree on what the coming boundary applies. Here the step's
-        last collective has just lined the ranks up; at the boundary they would all wait
-        for rank 0's logging, which otherwise overlaps their next step."""
+        """A step was applied and rank 0 logged it: rank 0 records how far the job got (so
+        a record of the step says it was logged), and, when due, the ranks agree on what
+        the coming boundary applies. Here the step's last collective has just lined the
+        ranks up, short of rank 0's logging."""
         iteration = consumed_samples // self.samples_per_iteration
         if dist.get_rank() == 0:
             self.agent.record_progress(iteration, consumed_samples, copies=self._copies_generation)
@@ -262,6 +263,14 @@ class LiveReconfiguration:
         self._agree_at = iteration - int(agreed[2])
         return int(agreed[0]), bool(agreed[1])
 
+    def logs_again(self, consumed_samples: int) -> bool:
+        """Rank 0 records a step after logging it, so a record of it says it was logged."""
+        old, new = self._recovered_from, self._state_layout
+        if old is None or new is None:
+            return False
+        keepers = [w for w in new.slots if w in old.workers]
+        return keepers[:1] == [self.world.worker] and self._recorded_samples() < consumed_samples
+
     def can_recover(self, error: BaseException) -> bool:
         """A peer died or stalled: its survivors carry on without it."""
         return is_peer_failure(error)
@@ -270,6 +279,7 @@ class LiveReconfiguration:
         """A collective of the running layout failed (a peer died or stalled): report it,
         keep this worker's state and apply the coordinator's next plan."""
         self._agreed = None  # agreed in the broken WORLD
+        self._recovered_from = self._state_layout
         self._layout_started()
         self._check_membership()
         # With the plain optimizer this rank's state is local and whole at its last applied

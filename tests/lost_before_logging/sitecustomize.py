@@ -1,0 +1,22 @@
+"""Kills the process that is about to log iteration PARCAE_TEST_LOST_BEFORE_LOGGING (the
+layout's rank 0), after the step was applied everywhere and before its line is written:
+the survivors keep the step, and the rank 0 of the layout that recovers it must log it.
+tests/test_recovery.py puts this folder on PYTHONPATH (Python imports `sitecustomize` at
+start)."""
+
+import os
+import signal
+
+_ITERATION = int(os.environ.get("PARCAE_TEST_LOST_BEFORE_LOGGING", "0"))
+
+if _ITERATION > 0:
+    from megatron_parcae import events
+
+    _report = events.report
+
+    def _report_or_die(event):
+        if isinstance(event, events.Iteration) and event.iteration == _ITERATION and not event.relogged:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _report(event)
+
+    events.report = _report_or_die
