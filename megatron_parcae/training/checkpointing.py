@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import queue
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -142,6 +143,9 @@ def _drop_stale_write_results() -> None:
             return
 
 
+FINISH_POLL_SECONDS = 0.1  # how often `Checkpointer.finish` asks whether every writer is done
+
+
 class Checkpointer:
     """The saves of one training process, synchronous or, with `asynchronous`, written by
     a forked process while training goes on (megatron-core's async dist checkpoints).
@@ -208,11 +212,14 @@ class Checkpointer:
             self._in_flight = None
 
     def finish(self) -> None:
-        """Wait for the save in flight and complete it (collective while one is)."""
-        if self._in_flight is not None:
-            with patient(None, SAVE_TIMEOUT, self.collective_timeout):
-                self._in_flight.maybe_finalize_async_calls(blocking=True)
-            self._in_flight = None  # kept on failure: abandon() must wait for its writer
+        """Wait for the save in flight and complete it (collective while one is): `poll()`
+        every FINISH_POLL_SECONDS, each a small all-reduce under WORLD's usual timeout,
+        so that a peer lost while the writers work breaks WORLD within that timeout
+        rather than SAVE_TIMEOUT. Every rank polls until the same all-reduce says done."""
+        while self._in_flight is not None:
+            self.poll()  # on failure the save stays in flight: abandon() must wait for its writer
+            if self._in_flight is not None:
+                time.sleep(FINISH_POLL_SECONDS)
 
     def behind(self, iteration: int) -> bool:
         """Whether a rank has no completed save at `iteration` (collective): a save of that
