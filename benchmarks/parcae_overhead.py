@@ -25,13 +25,9 @@ Plain and parcae runs alternate, the first of each round swapped every round, so
 drifts in machine load hit both. The bar is judged on wall time: 2% on the median
 without snapshots (--copy-interval 0), 3% on the mean with them (issue 18: every K steps
 each worker snapshots its state and sends a copy to its buddy, one iteration in K pays
-it); exits 1 if a run fails or the bar is missed. Snapshots are taken only where they
-keep what no live worker holds: T=1 D=N with the plain optimizer has whole replicas and
-one process has no buddy; measuring them takes --use-distributed-optimizer (both modes),
-whose shards the D=2 snapshots gather.
+it); exits 1 if a run fails or the bar is missed.
 
-    nice python -m benchmarks.parcae_overhead [--iterations 30] [--rounds 3] [--copy-interval K]
-        [--use-distributed-optimizer] [--json PATH]
+    nice python -m benchmarks.parcae_overhead [--iterations 30] [--rounds 3] [--copy-interval K] [--json PATH]
 """
 
 from __future__ import annotations
@@ -52,7 +48,7 @@ from pathlib import Path
 
 import psutil
 
-from megatron_parcae.events import CopiesKept, Event, EventFollower, Iteration, LayoutChange
+from megatron_parcae.events import Event, EventFollower, Iteration, LayoutChange
 from megatron_parcae.tools.replay import interrupt_on_signals
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +75,6 @@ class RunFigures:
     iteration_ms: list[float]  # as reported
     training_cpu_s: float  # CPU time of the training processes over the counted iterations
     side_cpu_s: float  # CPU time of the run's other processes over the same iterations
-    snapshot_mib: float | None = None  # rank 0's host memory for snapshots (copies_kept); None: none taken
 
 
 @dataclass
@@ -247,9 +242,8 @@ def figures(output: str, events: list[Event], cpu_at: dict[int, tuple[float, flo
     if not counted or before not in cpu_at or counted != list(range(before + 1, counted[-1] + 1)):
         raise RunFailed(f"{what}: iterations {before} to the end not all reported:\n{output[-3000:]}")
     last = counted[-1]
-    kept = [e.mib for e in events if isinstance(e, CopiesKept)]
     return RunFigures([reported[i] for i in counted], cpu_at[last][0] - cpu_at[before][0],
-                      cpu_at[last][1] - cpu_at[before][1], kept[-1] if kept else None)
+                      cpu_at[last][1] - cpu_at[before][1])
 
 
 # -- the two ways to run -------------------------------------------------------------
@@ -336,12 +330,9 @@ def measure(processes: int, iterations: int, rounds: int, workdir: Path) -> Comp
             run = (run_plain(processes, iterations, events) if mode == "plain"
                    else run_parcae(processes, iterations, config, events))
             result.runs[mode].append(run)
-            kept = "" if mode == "plain" or not int(COPIES[1]) else \
-                "; no snapshots (nothing they would keep that live workers do not)" if run.snapshot_mib is None else \
-                f"; snapshots of {run.snapshot_mib:.1f} MiB"
             print(f"  N={processes} round {number + 1}/{rounds} {mode:6}: median {statistics.median(run.iteration_ms):7.1f}"
                   f" ms, CPU {(run.training_cpu_s + run.side_cpu_s) * 1000.0 / len(run.iteration_ms):7.1f} ms "
-                  f"per iteration ({len(run.iteration_ms)} counted){kept}", flush=True)
+                  f"per iteration ({len(run.iteration_ms)} counted)", flush=True)
     return result
 
 
@@ -389,9 +380,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, nargs="+", default=list(PROCESSES), metavar="N",
                         help="process counts to compare (default 1 2; one GPU takes only 1)")
     parser.add_argument("--bf16", action="store_true", help="train in bf16 (both runs)")
-    parser.add_argument("--use-distributed-optimizer", action="store_true",
-                        help="shard the optimizer state over DP (both runs): with the plain optimizer the "
-                             "T=1 D=N layouts keep whole replicas and take no snapshots")
     parser.add_argument("--copy-interval", type=int, default=10, metavar="K",
                         help="the parcae workers' snapshots with buddy copies every K steps (default 10, as "
                              "--parcae-copy-interval; 0: none). The bar is 2%% on the median without them, 3%% on "
@@ -400,8 +388,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.bf16:
         BASE.append("--bf16")
-    if args.use_distributed_optimizer:
-        BASE.append("--use-distributed-optimizer")
     if args.iterations <= WARMUP + 1 or args.rounds < 1 or min(args.processes) < 1 or args.copy_interval < 0:
         parser.error(f"--iterations must exceed {WARMUP + 1}, --rounds and --processes be at least 1, "
                      "--copy-interval at least 0")
@@ -431,7 +417,6 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python -m benchmarks.parcae_overhead", *argv]),
             "config": CONFIG, "iterations": args.iterations, "warmup_iterations": WARMUP, "rounds": args.rounds,
             "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg(), "copy_interval": args.copy_interval,
-            "use_distributed_optimizer": args.use_distributed_optimizer,
             "bar_percent": COPIES_BAR_PERCENT if args.copy_interval else BAR_PERCENT,
             "met": met, "results": [c.to_dict() for c in comparisons],
         }

@@ -11,9 +11,7 @@ the steps in between. Only a worker lost together with its buddy sends the job b
 its checkpoint.
 
 A worker's DP peers (same stage, same tensor rank) take identical snapshots, so a buddy
-that is one already holds the copy: nothing is sent to it. Without the distributed
-optimizer a peer's live state is that snapshot too, so a layout whose every buddy is a
-DP peer (or that has no buddies: one instance) takes none (`snapshots_protect`).
+that is one already holds the copy: nothing is sent to it.
 
 A snapshot is pending until every worker of the layout has confirmed its exchange, then
 committed; the older one is dropped only then. So whenever one worker has committed a
@@ -32,7 +30,6 @@ import torch.distributed as dist
 
 from reconfig import planes
 from reconfig.execute import Counters, HeldState, MigrationError, Runtime, export_held_state, framed
-from reconfig.layout import Layout
 from reconfig.optimizer_state import STATE_KEYS, LossScale
 from reconfig.tensors import ParamShard
 from reconfig.world import World
@@ -133,16 +130,6 @@ def _parse(raw: bytes, payload: torch.Tensor, src: int, generation: int, iterati
     if offset != payload.numel():
         raise MigrationError(f"copy from worker {src}: {payload.numel() - offset} values beyond its parameters")
     return HeldState(shards, tensors, _int(d, "tp_rank"), _int(d, "tp_size", 1), counters)
-
-
-def snapshots_protect(layout: Layout, holders: dict[int, int], sharded_optimizer: bool) -> bool:
-    """Whether the layout's snapshots keep any state its live workers would not: the
-    distributed optimizer's shards are whole only in a snapshot, while a whole optimizer
-    state is already on every DP peer, so only a copy held outside the worker's DP group
-    survives a loss its live replicas would not."""
-    if sharded_optimizer:
-        return bool(holders)
-    return any(holder not in layout.dp_peers(worker) for worker, holder in holders.items())
 
 
 class SnapshotStore:

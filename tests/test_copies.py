@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from helpers import SHAPE
-from reconfig.copies import Snapshot, snapshots_protect
+from reconfig.copies import Snapshot
 from reconfig.execute import Counters, HeldState
 from reconfig.layout import Layout, Parallelism
 from reconfig.placement import ONE_GPU, Placement, copy_holders
@@ -33,18 +33,6 @@ def test_each_worker_has_one_buddy_on_another_instance():
 
 def _data_parallel(workers: tuple[int, ...]) -> Layout:
     return Layout(Parallelism.even(SHAPE.num_layers, 1, 1, len(workers)), workers)
-
-
-def test_snapshots_are_taken_only_where_they_keep_what_live_replicas_do_not():
-    replicas = _data_parallel((0, 1))  # each buddy is the other: a DP peer
-    assert not snapshots_protect(replicas, copy_holders(replicas, ONE_GPU), sharded_optimizer=False)
-    assert snapshots_protect(replicas, copy_holders(replicas, ONE_GPU), sharded_optimizer=True)  # shards
-    one = _data_parallel((0,))  # one instance: no buddy to keep a copy
-    assert not snapshots_protect(one, copy_holders(one, ONE_GPU), sharded_optimizer=True)
-    pipeline = _pipeline((0, 1))
-    assert snapshots_protect(pipeline, copy_holders(pipeline, ONE_GPU), sharded_optimizer=False)
-    mixed = Layout(Parallelism.even(SHAPE.num_layers, 1, 2, 2), (0, 1, 2, 3))  # some buddies outside the DP group
-    assert snapshots_protect(mixed, copy_holders(mixed, ONE_GPU), sharded_optimizer=False)
 
 
 def _in_domains(gpus: int, domains: str, workers: tuple[int, ...]) -> Placement:

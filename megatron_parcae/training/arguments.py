@@ -132,8 +132,7 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-copy-interval", type=int, default=10, metavar="STEPS",
                    help="with --parcae-etcd: every this many steps, and after each layout change, each worker "
                         "snapshots its state in host memory and sends a copy to a worker on another instance (none "
-                        "where that worker is a DP peer, whose own snapshot is the same; no snapshots where every "
-                        "buddy is a DP peer holding whole optimizer state), so "
+                        "where that worker is a DP peer, whose own snapshot is the same), so "
                         "a worker lost without notice costs at most this many steps instead of a checkpoint "
                         "restart; memory: two copies of a worker's state (default 10; 0: no copies)")
     g.add_argument("--parcae-events", default=None, metavar="FILE",

@@ -85,7 +85,7 @@ from reconfig.execute import (
     release_runtime,
 )
 from reconfig import planes
-from reconfig.copies import SnapshotStore, snapshots_protect
+from reconfig.copies import SnapshotStore
 from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationPlan
 from reconfig.world import World, is_peer_failure, process_group_backend
@@ -162,7 +162,6 @@ class LiveReconfiguration:
         self._profile_checked: ProfileRecord | None = None
         self.snapshots = SnapshotStore() if args.parcae_copy_interval else None
         self._copy_holders: dict[int, int] = {}  # of the running layout: worker -> keeper of its copy
-        self._snapshots_protect = False  # whether the running layout's snapshots keep what it does not
         self._broken_at = 0  # the newest generation whose WORLD broke under this worker
         self._copies_generation = 0  # of the layout's newest snapshots (some joiners hold none), 0: none
         # The layout whose state this worker runs, or holds after a failure, and the
@@ -207,12 +206,6 @@ class LiveReconfiguration:
             self._last_boundary = time.perf_counter()
         return runtime, consumed_samples
 
-    def _layout_formed(self, envelope: PlanEnvelope, layout: Layout) -> None:
-        """This worker runs `layout`, built by the plan of `envelope`."""
-        self._copy_holders = envelope.holders()
-        self._snapshots_protect = snapshots_protect(layout, self._copy_holders, self.args.use_distributed_optimizer)
-        self._state_of, self._state_layout = envelope.generation, layout
-
     def _layout_started(self) -> None:
         """A layout was formed: its ranks agree at its first boundary, and its first step
         is not measured."""
@@ -221,7 +214,7 @@ class LiveReconfiguration:
     def _keep_copies(self, runtime: Runtime, consumed_samples: int) -> None:
         """Snapshot the layout's state with its buddies' copies, when due (every worker of the
         layout decides alike: same generation, same iteration)."""
-        if self.snapshots is None or not self._snapshots_protect:
+        if self.snapshots is None:
             return
         iteration = consumed_samples // self.samples_per_iteration
         first = self.snapshots.generation != self.generation
@@ -560,7 +553,8 @@ class LiveReconfiguration:
             release_runtime(runtime)
             raise
         self._copies_generation = int(copies[0])
-        self._layout_formed(envelope, plan.new)
+        self._copy_holders = envelope.holders()
+        self._state_of, self._state_layout = envelope.generation, plan.new
         return runtime, consumed_samples
 
     def _save_and_exit(self, generation: int, runtime: Runtime | HeldState | None,
@@ -628,7 +622,8 @@ class LiveReconfiguration:
         finetune = self.args.finetune and source == self.args.load and source != self.args.save
         with built_layout(self.build, layout.parallelism, self.world, generation) as runtime:
             consumed_samples = 0 if source is None else checkpointing.load(source, runtime, finetune).consumed_samples
-        self._layout_formed(envelope, layout)
+        self._copy_holders = envelope.holders()
+        self._state_of, self._state_layout = generation, layout
         if dist.get_rank() == 0:
             gbs = self.samples_per_iteration
             self.agent.record_progress(consumed_samples // gbs, consumed_samples, generation)  # training goes back here
