@@ -21,7 +21,8 @@ PROCESS_FIXTURES = frozenset({"etcd_server", "client", "own_etcd", "auth_server"
 
 # Modules whose tests take minutes of wall-clock time (a replayed trace): run first, so
 # that the test processes (pytest.ini's -n) finish together.
-LONGEST_FIRST = ("test_slurm_elastic.py", "test_half_precision.py", "test_replay.py", "test_reconfig_live.py")
+LONGEST_FIRST = ("test_slurm_elastic.py", "test_half_precision.py", "test_replay.py", "test_model_flags.py",
+                 "test_exit_signal_handler.py", "test_reconfig_live.py")
 
 
 def _interrupted(signum, frame):
