@@ -1,6 +1,7 @@
 """Checkpoints a failure can leave behind: a save broken by a peer's death must not spoil
-the next save of a process that recovers in place, and an abandoned asynchronous save is
-not taken for a written one."""
+the next save of a process that recovers in place, an abandoned asynchronous save is
+not taken for a written one, and a peer that stops answering while an asynchronous save
+is completed breaks WORLD within its usual timeout."""
 
 from __future__ import annotations
 
@@ -86,3 +87,54 @@ def test_a_save_broken_by_a_peer_failure_does_not_spoil_the_next(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert run.returncode == 0 and run.stdout.strip().endswith("loaded"), f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+
+
+# Three ranks save asynchronously; rank 2 then stops answering (alive, its sockets open),
+# and ranks 0 and 1 complete the save: they must fail under WORLD's usual timeout (3 s),
+# not wait out the 30 minutes a save's own collectives may take.
+FINISH_WITHOUT_A_PEER = """
+import sys
+import time
+from datetime import timedelta
+import torch.distributed as dist
+from megatron_parcae.training import checkpointing
+from megatron_parcae.training.arguments import parse_args
+from megatron_parcae.training.data.datasets import build_tokenizer
+from megatron_parcae.training.models import padded_vocab_size
+from megatron_parcae.training.device import prepare_device
+from megatron_parcae.training.progress import Progress
+from megatron_parcae.training.runtime import LayoutRuntime
+
+root, store, rank, flags = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+usual = timedelta(seconds=3)
+prepare_device()
+dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3, timeout=usual)
+args = parse_args([*flags, "--global-batch-size", "6"], prog="test", model="gpt", world_size=3)
+runtime = LayoutRuntime(args, padded_vocab_size(build_tokenizer(args).vocab_size, args))
+saves = checkpointing.Checkpointer(root, asynchronous=True, collective_timeout=usual)
+saves.save(runtime, Progress(iteration=1, consumed_samples=6))
+if rank == 2:
+    print("stopped answering", flush=True)
+    time.sleep(600)
+try:
+    saves.finish()
+    print("finished", flush=True)
+except RuntimeError as exc:
+    print("failed:", type(exc).__name__, flush=True)
+"""
+
+
+def test_a_peer_silent_while_a_save_completes_breaks_world_in_the_usual_timeout(tmp_path):
+    ranks = [subprocess.Popen([sys.executable, "-c", FINISH_WITHOUT_A_PEER, str(tmp_path / "ckpt"),
+                               str(tmp_path / "store"), str(rank), *SMALL_GPT],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+             for rank in range(3)]
+    try:
+        for rank in ranks[:2]:
+            out = rank.communicate(timeout=120)[0]
+            assert out.strip().endswith("failed: RuntimeError"), out[-3000:]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
