@@ -59,8 +59,8 @@ class Iteration(Event):
     skipped_iterations: int  # fp16 steps skipped since the previous logged step
     loss_scale: float | None  # fp16's dynamic or constant loss scale; None otherwise
     tflops_per_gpu: float | None = None  # model TFLOP/s per GPU, with --log-throughput
-    # Logged by the rank 0 of the layout that recovered the step: the step's own rank 0
-    # was lost before its progress record said it had logged it, so it may have.
+    # Logged by the first rank of the recovering layout that trained the step: the step's
+    # own rank 0 was lost before its progress record said it had logged it, so it may have.
     relogged: bool = False
 
     def repeats(self, newest_logged: int | None) -> bool:

@@ -85,8 +85,9 @@ def test_stalled_then_killed_workers_are_left_behind_in_place(live_job, uninterr
 def test_a_step_whose_rank_0_died_before_logging_it_is_logged_by_the_layout_that_kept_it(
         live_job, uninterrupted, monkeypatch):
     """The layout's rank 0 is killed once the step is applied everywhere, before its log line
-    (tests/lost_before_logging): the survivors keep the step, and their new rank 0, finding
-    no record of it in etcd, logs it (flagged `relogged`)."""
+    (tests/lost_before_logging): the survivors keep the step, and the first of the new
+    layout's ranks that trained it, finding no record of it in etcd, logs it (flagged
+    `relogged`)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "lost_before_logging"),
                                                                       os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("PARCAE_TEST_LOST_BEFORE_LOGGING", str(LOST_BEFORE_LOGGING))

@@ -1,6 +1,7 @@
 """Kills the process that is about to log iteration PARCAE_TEST_LOST_BEFORE_LOGGING (the
 layout's rank 0), after the step was applied everywhere and before its line is written:
-the survivors keep the step, and the rank 0 of the layout that recovers it must log it.
+the survivors keep the step, and the first of the recovering layout's ranks that trained
+it must log it.
 tests/test_recovery.py puts this folder on PYTHONPATH (Python imports `sitecustomize` at
 start)."""
 
