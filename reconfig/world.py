@@ -8,9 +8,9 @@ globals (docs/megatron-core.md); `release_parallel_state` does both, so
 twenty layout changes leave as many live groups as one.
 
 No wait on a peer is unbounded: members meet on the store before WORLD is created
-(`reform`, `sync`), a wait that a newer generation supersedes is abandoned, and
-collectives time out after `collective_timeout`, so a peer that died or stalled breaks
-WORLD (`WorldBroken`) instead of hanging the others.
+(`reform`, `sync`), a wait the caller finds in vain (a newer generation supersedes it, a
+peer is gone) is abandoned, and collectives time out after `collective_timeout`, so a
+peer that died or stalled breaks WORLD (`WorldBroken`) instead of hanging the others.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def process_group_backend() -> str:
 
 class WorldBroken(RuntimeError):
     """This process's WORLD cannot go on: a peer died or stalled past the collective
-    timeout, or a newer generation superseded the one being formed."""
+    timeout, or the one being formed was abandoned."""
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -91,20 +91,20 @@ class World:
 
     `collective_timeout` bounds every collective of WORLD (and, passed on by the
     runtime, of megatron-core's groups); `meet_timeout` bounds a wait for peers to reach
-    the same point, which `superseded(members)` (a newer plan counts one of them lost)
-    or a peer's failure (`break_generation`) cuts short.
+    the same point, which a peer's failure (`break_generation`) or `abandon(members,
+    seconds waited)` cuts short: it says why the wait is in vain ("" while it is not).
     """
 
     def __init__(self, worker: int, members: Sequence[int], store: dist.Store, backend: str,
                  collective_timeout: timedelta = _TIMEOUT, meet_timeout: timedelta = _TIMEOUT,
-                 superseded: Callable[[tuple[int, ...]], bool] = lambda peers: False) -> None:
+                 abandon: Callable[[tuple[int, ...], float], str] = lambda peers, waited: "") -> None:
         self.worker = worker
         self.members = tuple(members)
         self._store = store
         self._backend = backend
         self.collective_timeout = collective_timeout
         self.meet_timeout = meet_timeout
-        self._superseded = superseded
+        self._abandon = abandon
 
     @classmethod
     def from_torchrun(cls) -> World:
@@ -134,17 +134,18 @@ class World:
 
     def sync(self, key: str) -> None:
         """Wait until every member of WORLD has reached the point `key` (`g<generation>/...`:
-        on the store, so a slow peer is no collective timeout); WorldBroken if superseded
-        or too slow."""
+        on the store, so a slow peer is no collective timeout); WorldBroken if the wait
+        is abandoned or too slow."""
         store = dist.PrefixStore(f"parcae/{key}/", self._store)
         store.set(str(self.worker), b"1")  # who came, for the message of a timeout
         arrived = store.add("count", 1)  # one key to poll, however many members
         generation = key.split("/")[0]
-        deadline = time.monotonic() + self.meet_timeout.total_seconds()
+        started = time.monotonic()
+        deadline = started + self.meet_timeout.total_seconds()
         while arrived < len(self.members):
-            if self._superseded(self.members):
-                raise WorldBroken(f"a newer plan superseded {key}: it counts a peer worker {self.worker} "
-                                  "waited for there as lost")
+            why = self._abandon(self.members, time.monotonic() - started)
+            if why:
+                raise WorldBroken(f"worker {self.worker} stopped waiting at {key}: {why}")
             if self._store.check([f"parcae/{generation}/broken"]):
                 raise WorldBroken(f"a peer broke in {generation} while worker {self.worker} waited at {key}")
             if time.monotonic() > deadline:

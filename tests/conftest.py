@@ -129,7 +129,7 @@ def uninterrupted(tiny_data, tmp_path_factory) -> dict[int, float]:
 def live_job(etcd_server, client, tmp_path):
     """A job for workers and coordinators started as processes (logs in tmp_path; the
     workers save asynchronously every 4 iterations, joiners too); all are killed at the
-    end. Yields the job's store, coordinator(name), worker(id), tmp_path."""
+    end. Yields the job's store, coordinator(name), worker(id, *flags), tmp_path."""
     from megatron_parcae.control.etcd import JobStore
 
     job = f"live-{uuid.uuid4().hex[:8]}"
@@ -146,13 +146,13 @@ def live_job(etcd_server, client, tmp_path):
         processes.append(p)
         return p
 
-    def worker(worker_id: int) -> subprocess.Popen:
+    def worker(worker_id: int, *flags: str) -> subprocess.Popen:
         p = start_logged([sys.executable, "tests/collective_probe.py", str(probe), "scripts/pretrain_gpt.py", *TRAIN,
                           "--parcae", "--parcae-etcd",
                     etcd_server.endpoint, "--parcae-job", job, "--parcae-worker-id", str(worker_id),
                     "--parcae-grace-seconds", "20", "--parcae-lease-seconds", "5",
                     "--save", str(tmp_path / "checkpoints"), "--save-interval", "4", "--async-save",
-                    "--parcae-events", str(tmp_path / f"worker-{worker_id}.events.jsonl")],
+                    "--parcae-events", str(tmp_path / f"worker-{worker_id}.events.jsonl"), *flags],
                    tmp_path / f"worker-{worker_id}.log")
         processes.append(p)
         return p

@@ -9,6 +9,7 @@ what an uninterrupted one does."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import pytest
@@ -105,10 +106,13 @@ def test_a_worker_lost_mid_change_has_the_change_retried_without_it(live_job, un
     assert not any(c.kind == "restart" for c in changes if c.generation > 1)
 
 
-def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(live_job, uninterrupted):
-    """The first layout, one worker, grows onto a joiner that is killed while the change is
-    applied: the old worker kept its state through the failed change, so the change is
-    retried from it without the joiner, losing no step."""
+def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(live_job, uninterrupted, monkeypatch):
+    """The first layout, one worker, grows onto a joiner that dies as it reaches the new
+    WORLD's meeting point (tests/lost_before_meeting): the old worker kept its state through
+    the failed change, so the change is retried from it without the joiner, losing no step.
+    With the distributed optimizer no plan from the grown layout can do without the
+    joiner's shard: the coordinator holds back a restart for the old worker's report, and
+    the old worker, waiting for the joiner, must see that it is no longer a member."""
     store, coordinator, worker, tmp_path = live_job
     profile = json.loads((REPO / "configs/profiles/gpt-tiny-cpu.json").read_text())
     (tmp_path / "profile.json").write_text(json.dumps({**profile, "max_tensor_parallel": 1}))  # replicas only
@@ -116,8 +120,12 @@ def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(liv
     config.write_text("\n".join(f"profile: {tmp_path / 'profile.json'}" if line.startswith("profile:")
                                 else "min-workers: 1" if line.startswith("min-workers:")
                                 else "max-workers: 1" if line.startswith("max-workers:") else line
-                                for line in config.read_text().splitlines()))
-    processes = {w: worker(w) for w in (0, 1)}
+                                for line in config.read_text().splitlines()) + "\ndistributed-optimizer: true\n")
+    processes = {0: worker(0, "--use-distributed-optimizer")}
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "lost_before_meeting"),
+                                                                      os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PARCAE_TEST_LOST_BEFORE_MEETING", "1")
+    processes[1] = worker(1, "--use-distributed-optimizer")
     wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
     first = coordinator("a")  # plans one worker: worker 1 waits on standby
     wait_for(lambda: store.members()[0].generation >= 1, 120, "the first layout")
@@ -127,8 +135,8 @@ def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(liv
     config.write_text(config.read_text().replace("max-workers: 1", "max-workers: 2"))
     coordinator("b")  # grows the layout onto worker 1
     grown = wait_for(lambda: store.current_generation() > 1 and store.latest_plan(), 60, "the growth")
-    processes[1].send_signal(signal.SIGKILL)  # before or while it is applied
     assert 1 in grown.layout["slots"]
+    assert processes[1].wait(timeout=60) == -signal.SIGKILL, (tmp_path / "worker-1.log").read_text()[-3000:]
     changes, _ = _check(live_job, processes, [0], uninterrupted)
     plans = [e for e in read_events(tmp_path / "coordinator-b.events.jsonl") if isinstance(e, PlanPublished)]
     after = [p for p in plans if p.generation > grown.generation]
@@ -137,3 +145,4 @@ def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(liv
     assert all(1 not in p.workers and p.recovery in ("", "replicas") for p in after), plans
     assert not any(c.kind == "restart" for c in changes if c.generation > 1)
     assert not any(c.lost_steps for c in changes)
+    assert "workers [1] are no longer members of the job" in (tmp_path / "worker-0.log").read_text()

@@ -328,16 +328,20 @@ if __name__ == "__main__":
 
 # -- meeting peers before WORLD exists (reconfig.world.World.sync) ---------------------
 
-def test_waiting_for_peers_ends_when_superseded_or_too_slow(client):
+def test_waiting_for_peers_ends_when_abandoned_or_too_slow(client):
     from reconfig.world import World, WorldBroken
 
     store = _store(client)
-    newer_plan = threading.Event()
-    world = World(0, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=30),
-                  superseded=lambda peers: newer_plan.is_set() and 1 in peers)
-    threading.Timer(0.3, newer_plan.set).start()
-    with pytest.raises(WorldBroken, match="superseded g1/built"):
+    asked = []
+
+    def abandon(peers, waited):
+        asked.append(waited)
+        return "worker 1 is gone" if waited > 0.3 and 1 in peers else ""
+
+    world = World(0, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=30), abandon=abandon)
+    with pytest.raises(WorldBroken, match="worker 0 stopped waiting at g1/built: worker 1 is gone"):
         world.sync("g1/built")  # worker 1 never comes
+    assert asked[0] < 0.3 < asked[-1] < 5 and asked == sorted(asked)
     slow = World(0, (0, 1), store, "gloo", meet_timeout=timedelta(seconds=0.3))
     with pytest.raises(WorldBroken, match="workers 1 did not reach g2/built within 0.3 s"):
         slow.sync("g2/built")

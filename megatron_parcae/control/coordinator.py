@@ -668,8 +668,8 @@ class Coordinator:
                 restart = bool(view.lost) and decision.layout is not None and decision.plan is None
                 if restart:
                     decision = self._from_copies(view) or decision  # state lost: restart only if it must
-                if restart and decision.plan is None and not settled and self._awaits_change(generation, view):
-                    pass  # the change's workers may report it broken with the state they kept (_retry)
+                if view.lost and not settled and self._awaits_change(generation, view):
+                    pass  # the change's workers report it broken with the state they kept (_retry)
                 elif decision.layout is None:
                     self._warn_once(f"no feasible layout for {len(view.available)} available workers; waiting"
                                     f"{self._unsaved(current, view, members)}")
@@ -680,15 +680,16 @@ class Coordinator:
             self._save()
 
     def _awaits_change(self, generation: int, view: MemberView) -> bool:
-        """Whether to hold back a restart for workers lost while the change to `generation`
-        is applied: its live workers, whose next collective fails (within a lease period),
-        report it broken with the state they brought into it, from which `_retry` plans
-        the change again without a restart. STUCK_LEASES lease periods at most: workers
-        waiting at the new WORLD's rendezvous see only a newer plan."""
+        """Whether to hold back a plan for workers lost while the change to `generation` is
+        applied: its live workers, whose next collective fails (within a lease period) or
+        who see at its rendezvous that a peer is no longer a member (within a third of a
+        lease period), report it broken with the state they brought into it, from which
+        `_retry` plans the change again. A plan from the new layout before that would
+        assume state its workers may never have had. STUCK_LEASES lease periods at most."""
         if self._loss_in_change[0] != generation:
             self._loss_in_change = (generation, time.monotonic())
             log.info("workers %s were lost while the change to generation %d is applied: waiting for its workers "
-                     "to report it broken before restarting", _ids(view.lost), generation)
+                     "to report it broken", _ids(view.lost), generation)
         return time.monotonic() - self._loss_in_change[1] <= STUCK_LEASES * self._config.lease_seconds
 
     def _plans_for(self, members: dict[int, MemberRecord]) -> bool:

@@ -351,6 +351,12 @@ class EtcdClient:
         """All keys starting with `prefix`, in key order."""
         return [_to_kv(kv) for kv in self._call(f"get {prefix}*", self._kv.Range, _range_request(prefix, True)).kvs]
 
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        """The keys starting with `prefix`, in key order, without their values."""
+        req = _range_request(prefix, True)
+        req.keys_only = True
+        return [kv.key.decode(errors="replace") for kv in self._call(f"list {prefix}*", self._kv.Range, req).kvs]
+
     def put(self, key: str, value: bytes, lease: int = 0) -> None:
         self._call(f"put {key}", self._kv.Put, rpc.PutRequest(key=key.encode(), value=value, lease=lease))
 

@@ -685,6 +685,15 @@ class JobStore:
         """Rewrite the member record, only while its key is still on `lease`."""
         return self._put_as_member(member.worker_id, lease, self.keys.member(member.worker_id), member.encode())
 
+    def member_ids(self) -> frozenset[int]:
+        """The worker ids of the members, read without their records: a member key
+        goes with its lease, when the worker exits, is fenced or stops answering."""
+        prefix = self.keys.members
+        ids = [key[len(prefix):] for key in self.client.keys_with_prefix(prefix)]
+        if not all(i.isascii() and i.isdigit() for i in ids):
+            raise SchemaError(prefix, "unknown key under a numbered prefix")
+        return frozenset(map(int, ids))
+
     def members(self) -> dict[int, MemberRecord]:
         """Every member. A payload the previous call decoded is not decoded again: the
         coordinator reads all members at each decision, most unchanged since the last one,

@@ -148,9 +148,10 @@ class LiveReconfiguration:
                                  can_save=bool(args.save), model=self.shape,
                                  failure_domain=args.parcae_failure_domain)
         self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), process_group_backend(),
-                           collective_timeout=collective_timeout(args), superseded=self._superseded)
+                           collective_timeout=collective_timeout(args), abandon=self._wait_in_vain)
         self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
         self._applying = 0  # the plan being applied, while one is
+        self._next_members_check = 0.0  # monotonic time a wait for peers may next read who is a member
         self._lost_by_generation: dict[int, frozenset[int] | None] = {}
         self.samples_per_iteration = args.global_batch_size
         self.build: Callable[[Parallelism], Runtime] = lambda p: runtime_factory(layout_args(args, p), vocab_size)
@@ -347,20 +348,32 @@ class LiveReconfiguration:
         release_runtime(runtime)
         raise LiveJobError(f"worker {self.world.worker} stops: {why}; {saved}")
 
-    def _superseded(self, peers: tuple[int, ...]) -> bool:
-        """Whether waiting for `peers` while the plan being applied is formed is in vain:
-        this worker was fenced, or a newer plan counts one of them lost or starts over
-        from a checkpoint. (A newer plan that only follows this one is applied after it.)"""
+    def _wait_in_vain(self, peers: tuple[int, ...], waited: float) -> str:
+        """Why waiting `waited` seconds for `peers` while the plan being applied is formed
+        is in vain ("" while it is not): this worker was fenced, a newer plan counts one
+        of them lost or starts over (a newer plan that only follows this one is applied
+        after it), or one of them is no longer a member (its lease ended): nothing else
+        ends the wait while the coordinator holds back its plan for that loss until the
+        survivors report the change broken (its `_awaits_change`). Membership is read every
+        third of a lease period, the first a third into the wait: a thousand waiting
+        workers each read every member key."""
         if self.agent.fenced:
-            return True
+            return "this worker was fenced"
         pending = self.agent.pending_plan()
-        if pending is None:
-            return False
-        for generation in range(self._applying + 1, pending.generation + 1):
+        for generation in range(self._applying + 1, 1 + (0 if pending is None else pending.generation)):
             lost = self._lost_in(generation)
             if lost is None or lost & frozenset(peers):
-                return True
-        return False
+                return f"the plan of generation {generation} supersedes it and counts a peer waited for as lost"
+        now = time.monotonic()
+        period = self.agent.lease_seconds / 3
+        if waited < period or now < self._next_members_check:
+            return ""
+        self._next_members_check = now + period
+        try:
+            gone = frozenset(peers) - self.store.member_ids()
+        except (EtcdUnavailable, SchemaError):
+            return ""  # asked again a period on
+        return f"workers {sorted(gone)} are no longer members of the job" if gone else ""
 
     def _lost_in(self, generation: int) -> frozenset[int] | None:
         """The workers the plan of `generation` counts as lost; None for a restart or a
