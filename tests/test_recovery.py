@@ -1,12 +1,15 @@
 """Workers lost without notice, as real processes: one stalls (SIGSTOP) past its lease,
 then another is SIGKILLed; a rank 0 dies between applying a step and logging it. The
-others go on in place, train the same model and log every step."""
+others go on (in place, or from their snapshots), train the same model and log every
+step."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+
+import pytest
 
 from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, worker_events
 from megatron_parcae.control.agent import FENCED_EXIT
@@ -15,19 +18,22 @@ from megatron_parcae.events import LayoutChange, logged_steps
 LOST_BEFORE_LOGGING = 10  # two steps past a save (--save-interval 4), none in flight
 
 
-def _start_three(live_job) -> tuple[dict, callable]:
+def _start_three(live_job, distributed_optimizer: bool = False) -> tuple[dict, callable]:
     """Three registered workers, then the coordinator; returns them and an iteration probe.
 
     The coordinator's profile allows no tensor parallelism, so that the layout keeps a
-    replica of every layer (data parallel): losing one worker loses no state.
+    replica of every layer (data parallel): losing one worker loses no state, unless the
+    distributed optimizer shards it.
     """
     store, coordinator, worker, tmp_path = live_job
     profile = json.loads((REPO / "configs/profiles/gpt-tiny-cpu.json").read_text())
     (tmp_path / "profile.json").write_text(json.dumps({**profile, "max_tensor_parallel": 1}))
     config = tmp_path / "coordinator.yaml"
     config.write_text("\n".join(f"profile: {tmp_path / 'profile.json'}" if line.startswith("profile:") else line
-                                for line in config.read_text().splitlines()))
-    workers = {w: worker(w) for w in (0, 1, 2)}
+                                for line in config.read_text().splitlines())
+                      + ("\ndistributed-optimizer: true\n" if distributed_optimizer else ""))
+    flags = ["--use-distributed-optimizer"] if distributed_optimizer else []
+    workers = {w: worker(w, *flags) for w in (0, 1, 2)}
     wait_for(lambda: len(store.members()) == 3, 120, "three workers to register")
     coordinator("a")
 
@@ -39,7 +45,8 @@ def _start_three(live_job) -> tuple[dict, callable]:
 
 
 def _check_training(live_job, workers: dict, survivors: list[int], uninterrupted: dict) -> str:
-    """Every survivor ended well, each iteration was trained once, the model is the same."""
+    """Every survivor ended well, every iteration was trained, those trained twice are the
+    steps the changes say were lost, the model is the same."""
     store, _, _, logs = live_job
     for w in survivors:
         assert workers[w].wait(timeout=240) == 0, (logs / f"worker-{w}.log").read_text()[-3000:]
@@ -47,7 +54,8 @@ def _check_training(live_job, workers: dict, survivors: list[int], uninterrupted
     assert store.done() is not None and store.done().iteration == ITERS
     events = worker_events(logs)
     trained = [e.iteration for e in logged_steps(events)]
-    assert sorted(trained) == list(range(1, ITERS + 1))
+    assert sorted(set(trained)) == list(range(1, ITERS + 1))
+    assert len(trained) - ITERS == sum(e.lost_steps for e in events if isinstance(e, LayoutChange))
     assert_close(trained_losses(events), uninterrupted)
     return text
 
@@ -82,17 +90,20 @@ def test_stalled_then_killed_workers_are_left_behind_in_place(live_job, uninterr
     assert "WORLD broke under workers" in coordinator_log
 
 
-def test_a_step_whose_rank_0_died_before_logging_it_is_logged_by_the_layout_that_kept_it(
-        live_job, uninterrupted, monkeypatch):
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["kept", "rolled-back"])
+def test_a_step_whose_rank_0_died_before_logging_it_is_logged_by_a_rank_that_trained_it(
+        live_job, uninterrupted, monkeypatch, distributed_optimizer):
     """The layout's rank 0 is killed once the step is applied everywhere, before its log line
-    (tests/lost_before_logging): the survivors keep the step, and the first of the new
-    layout's ranks that trained it, finding no record of it in etcd, logs it (flagged
-    `relogged`)."""
+    (tests/lost_before_logging): the first of the new layout's ranks that trained it,
+    finding no record of it in etcd, logs it (flagged `relogged`). The survivors keep the
+    step; with the distributed optimizer they lost rank 0's shard and roll back to their
+    snapshots, so the step is trained again and, logged twice, counted as lost."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "lost_before_logging"),
                                                                       os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("PARCAE_TEST_LOST_BEFORE_LOGGING", str(LOST_BEFORE_LOGGING))
     store, _, _, logs = live_job
-    workers, _ = _start_three(live_job)
+    monkeypatch.setenv("PARCAE_TEST_LOST_MARK", str(logs / "lost-before-logging"))
+    workers, _ = _start_three(live_job, distributed_optimizer)
     [lost] = wait_for(lambda: [w for w, p in workers.items() if p.poll() is not None], 180,
                       f"the rank 0 of iteration {LOST_BEFORE_LOGGING} to die")
     assert workers[lost].returncode == -signal.SIGKILL, (logs / f"worker-{lost}.log").read_text()[-3000:]
@@ -100,4 +111,8 @@ def test_a_step_whose_rank_0_died_before_logging_it_is_logged_by_the_layout_that
     steps = logged_steps(worker_events(logs))
     relogged = [e for e in steps if e.relogged]
     assert [e.iteration for e in relogged] == [LOST_BEFORE_LOGGING], relogged
-    assert [e.iteration for e in steps] == list(range(1, ITERS + 1))
+    if distributed_optimizer:
+        changes = [e for e in worker_events(logs) if isinstance(e, LayoutChange)]
+        assert any((c.source or "").startswith("snapshots of generation") and c.lost_steps for c in changes), changes
+    else:
+        assert [e.iteration for e in steps] == list(range(1, ITERS + 1))

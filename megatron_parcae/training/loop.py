@@ -150,8 +150,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                 if metrics is not None:
                     metrics.release_run()
                 runtime, consumed = hook.recover(runtime, progress.consumed_samples, exc)
-                if (unlogged is not None and runtime is not None and consumed == unlogged.consumed_samples
-                        and hook.logs_again(consumed)):
+                if unlogged is not None and runtime is not None and hook.logs_again(unlogged.consumed_samples):
                     events.report(dataclasses.replace(unlogged, relogged=True))
                 unlogged = None
             if runtime is None:

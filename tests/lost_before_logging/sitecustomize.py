@@ -1,7 +1,8 @@
 """Kills the process that is about to log iteration PARCAE_TEST_LOST_BEFORE_LOGGING (the
 layout's rank 0), after the step was applied everywhere and before its line is written:
-the survivors keep the step, and the first of the recovering layout's ranks that trained
-it must log it.
+the first of the recovering layout's ranks that trained it must log it. Only the first
+process to get there dies (it creates the file PARCAE_TEST_LOST_MARK): one that trains
+the step again after a rollback logs it.
 tests/test_recovery.py puts this folder on PYTHONPATH (Python imports `sitecustomize` at
 start)."""
 
@@ -15,8 +16,16 @@ if _ITERATION > 0:
 
     _report = events.report
 
+    def _first() -> bool:
+        try:
+            os.close(os.open(os.environ["PARCAE_TEST_LOST_MARK"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
     def _report_or_die(event):
-        if isinstance(event, events.Iteration) and event.iteration == _ITERATION and not event.relogged:
+        if isinstance(event, events.Iteration) and event.iteration == _ITERATION and not event.relogged \
+                and _first():
             os.kill(os.getpid(), signal.SIGKILL)
         _report(event)
 

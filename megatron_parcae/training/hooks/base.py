@@ -24,9 +24,11 @@ class LayoutHook(Protocol):
         """A step was applied and rank 0 logged it; every rank calls it (it may be collective)."""
 
     def logs_again(self, consumed_samples: int) -> bool:
-        """After `recover` kept the step that reached `consumed_samples`: whether this process
-        logs it, its rank 0 maybe lost before logging it (the first of the new layout's
-        ranks that trained it, where the job's record lacks the step)."""
+        """After `recover`: whether this process logs again the step that reached
+        `consumed_samples`, its rank 0 maybe lost before logging it (the first of the new
+        layout's ranks that trained it, where the job's record lacked the step when WORLD
+        broke). Kept, trained again after a rollback or a restart, or skipped by neither,
+        the step was trained once before: the change counts it among the lost steps."""
 
     def can_recover(self, error: BaseException) -> bool:
         """Whether `recover` can continue the job after `error` left a collective broken."""

@@ -169,7 +169,8 @@ class LiveReconfiguration:
         # generation of the plan that built it.
         self._state_of = 0
         self._state_layout: Layout | None = None
-        self._recovered_from: Layout | None = None  # the layout whose step the newest `recover` kept
+        self._recovered_from: Layout | None = None  # the layout the newest `recover` came from
+        self._recorded_when_broken = 0  # the samples the job's record held then
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -258,12 +259,13 @@ class LiveReconfiguration:
         return int(agreed[0]), bool(agreed[1])
 
     def logs_again(self, consumed_samples: int) -> bool:
-        """Rank 0 records a step after logging it, so a record of it says it was logged."""
+        """Rank 0 records a step after logging it, so a record of it when WORLD broke says it
+        was logged (a rollback or a restart records where training went back to)."""
         old, new = self._recovered_from, self._state_layout
         if old is None or new is None:
             return False
         keepers = [w for w in new.slots if w in old.workers]
-        return keepers[:1] == [self.world.worker] and self._recorded_samples() < consumed_samples
+        return keepers[:1] == [self.world.worker] and self._recorded_when_broken < consumed_samples
 
     def can_recover(self, error: BaseException) -> bool:
         """A peer died or stalled: its survivors carry on without it."""
@@ -281,6 +283,7 @@ class LiveReconfiguration:
         held = None if self.args.use_distributed_optimizer else export_held_state(runtime)
         release_runtime(runtime)
         self._report_broken(self.generation, consumed_samples, error, self._state_of if held is not None else 0)
+        self._recorded_when_broken = self._recorded_samples()
         return self._await_plan(held, consumed_samples)
 
     def finish(self, consumed_samples: int | None) -> None:
