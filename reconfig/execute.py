@@ -70,6 +70,12 @@ class MigrationError(RuntimeError):
     """The plan and the model (or a peer's message) disagree: state would be lost or wrong."""
 
 
+class StatesDiffer(MigrationError):
+    """The workers holding state hold it at different steps: a peer failed while some had
+    applied a step and others had not. No plan can combine those states, so a change
+    retried from them fails alike."""
+
+
 def unit_of(global_name: str) -> str:
     """The planner's state unit (reconfig/layout.py) of a parameter's global name."""
     if global_name.startswith("embedding.word_embeddings."):
@@ -349,8 +355,8 @@ def _agree_on_progress(held: HeldState | None, consumed_samples: int) -> tuple[C
     high, low = agreed[:len(_AGREED)].tolist(), [-v for v in agreed[len(_AGREED):].tolist()]
     differ = [f"{name} {lo} to {hi}" for name, lo, hi in zip(_AGREED, low, high) if lo != hi]
     if differ:
-        raise MigrationError(f"the workers holding state differ ({', '.join(differ)}): a peer failed while "
-                             "some had applied a step and others had not")
+        raise StatesDiffer(f"the workers holding state differ ({', '.join(differ)}): a peer failed while "
+                           "some had applied a step and others had not")
     step, consumed, scheduler_steps, scaled, bits, growth, hysteresis = high
     scale = LossScale(struct.unpack("<d", struct.pack("<q", bits))[0], growth, hysteresis) if scaled else None
     return Counters(step, scheduler_steps, scale), consumed

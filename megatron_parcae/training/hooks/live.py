@@ -76,6 +76,7 @@ from reconfig.execute import (
     HeldState,
     MigrationError,
     Runtime,
+    StatesDiffer,
     built_layout,
     change_figures,
     export_held_state,
@@ -529,8 +530,10 @@ class LiveReconfiguration:
         try:
             runtime, consumed_samples = self._enter(envelope, plan, held, consumed_samples)
         except RuntimeError as exc:
-            # A rollback's state came from snapshots: what it held before is not kept.
-            if held is None or request.copies is not None or not _change_failed(exc):
+            # A rollback's state came from snapshots: what it held before is not kept; nor is
+            # state of another step than its peers' (the coordinator then plans without it).
+            if held is None or request.copies is not None or not _change_failed(exc) \
+                    or isinstance(exc, StatesDiffer):
                 raise
             raise ChangeFailed(held, exc) from exc
         if runtime is None:
