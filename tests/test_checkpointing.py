@@ -89,10 +89,9 @@ def test_a_save_broken_by_a_peer_failure_does_not_spoil_the_next(tmp_path):
     assert run.returncode == 0 and run.stdout.strip().endswith("loaded"), f"{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
 
 
-# Three ranks save asynchronously; rank 2 then stops answering (alive, its sockets open),
-# and ranks 0 and 1 complete the save: they must fail under WORLD's usual timeout (3 s),
-# not wait out the 30 minutes a save's own collectives may take.
-FINISH_WITHOUT_A_PEER = """
+# Three ranks save asynchronously; rank 2 stops answering (alive, its sockets open) as the
+# save starts or before it completes.
+SAVE_WITHOUT_A_PEER = """
 import sys
 import time
 from datetime import timedelta
@@ -105,18 +104,25 @@ from megatron_parcae.training.device import prepare_device
 from megatron_parcae.training.progress import Progress
 from megatron_parcae.training.runtime import LayoutRuntime
 
-root, store, rank, flags = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+root, store, rank, silent_at, flags = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 usual = timedelta(seconds=3)
 prepare_device()
 dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3, timeout=usual)
 args = parse_args([*flags, "--global-batch-size", "6"], prog="test", model="gpt", world_size=3)
 runtime = LayoutRuntime(args, padded_vocab_size(build_tokenizer(args).vocab_size, args))
 saves = checkpointing.Checkpointer(root, asynchronous=True, collective_timeout=usual)
-saves.save(runtime, Progress(iteration=1, consumed_samples=6))
-if rank == 2:
-    print("stopped answering", flush=True)
-    time.sleep(600)
+
+
+def stop_answering(at):
+    if rank == 2 and at == silent_at:
+        print("stopped answering", flush=True)
+        time.sleep(600)
+
+
 try:
+    stop_answering("save")
+    saves.save(runtime, Progress(iteration=1, consumed_samples=6))
+    stop_answering("finish")
     saves.finish()
     print("finished", flush=True)
 except RuntimeError as exc:
@@ -124,9 +130,13 @@ except RuntimeError as exc:
 """
 
 
-def test_a_peer_silent_while_a_save_completes_breaks_world_in_the_usual_timeout(tmp_path):
-    ranks = [subprocess.Popen([sys.executable, "-c", FINISH_WITHOUT_A_PEER, str(tmp_path / "ckpt"),
-                               str(tmp_path / "store"), str(rank), *SMALL_GPT],
+@pytest.mark.parametrize("silent_at", ["save", "finish"])
+def test_a_peer_silent_in_an_asynchronous_save_breaks_world_soon(tmp_path, silent_at):
+    """A peer that stops answering (alive, its sockets open) as an asynchronous save starts
+    or completes: the others fail within a few usual timeouts (3 s here), not SAVE_TIMEOUT
+    (30 minutes), so that they can report the broken WORLD."""
+    ranks = [subprocess.Popen([sys.executable, "-c", SAVE_WITHOUT_A_PEER, str(tmp_path / "ckpt"),
+                               str(tmp_path / "store"), str(rank), silent_at, *SMALL_GPT],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
              for rank in range(3)]

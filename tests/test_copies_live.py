@@ -64,8 +64,9 @@ def _check(live_job, processes: dict, survivors: list[int], uninterrupted: dict)
 
 def _between_saves(logs) -> bool:
     """Whether the job is one or two steps past a completed save (of --save-interval 4),
-    so none is in flight: a survivor inside a save's collectives when its peers die waits
-    out the save's long timeout, a case this file does not test."""
+    so that a kill soon after seldom meets one: a survivor inside an asynchronous save's
+    planning collectives when its peers die waits six usual timeouts there
+    (test_checkpointing.py), which the tests here need not spend."""
     events = worker_events(logs)
     saved = max((e.iteration for e in events if isinstance(e, Save)), default=None)
     newest = max((e.iteration for e in events if isinstance(e, Iteration)), default=0)

@@ -330,6 +330,7 @@ class Coordinator:
         self._busy_until = 0.0  # monotonic time the last migration is expected to end
         self._broken_seen: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a worker first said it broke)
         self._loss_in_change: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a loss was seen mid-change)
+        self._stuck: tuple[int, frozenset[int]] = (0, frozenset())  # the workers last counted lost for not reporting
         self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
         self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
         grace = optimizer.costs.constants.grace_period_seconds
@@ -631,15 +632,18 @@ class Coordinator:
         elif current is not None and view.broken:
             # Live workers that have not failed yet soon will (their next collective has a
             # failed peer); one that never does is dead, and its lease ends. One whose lease
-            # lives on but that stays blocked (a save's collectives wait SAVE_TIMEOUT for a
-            # peer killed mid-save) counts as lost after STUCK_LEASES lease periods.
+            # lives on but that stays blocked (a synchronous save's collectives wait
+            # SAVE_TIMEOUT for a peer killed mid-save) counts as lost after STUCK_LEASES
+            # lease periods, until it reports.
             waiting = (current.workers & view.available) - view.broken
             if self._broken_seen[0] != generation:
                 self._broken_seen = (generation, time.monotonic())
             first = self._broken_seen[1]
             if waiting and time.monotonic() - first > STUCK_LEASES * self._config.lease_seconds:
-                log.warning("workers %s have not reported the broken WORLD of generation %d for %.0f s: "
-                            "counting them as lost", _ids(waiting), generation, time.monotonic() - first)
+                if self._stuck != (generation, waiting):
+                    self._stuck = (generation, waiting)
+                    log.warning("workers %s have not reported the broken WORLD of generation %d for %.0f s: "
+                                "counting them as lost", _ids(waiting), generation, time.monotonic() - first)
                 view = dataclasses.replace(view, available=view.available - waiting, lost=view.lost | waiting)
                 waiting = frozenset()
             if not waiting:

@@ -144,6 +144,7 @@ def _drop_stale_write_results() -> None:
 
 
 FINISH_POLL_SECONDS = 0.1  # how often `Checkpointer.finish` asks whether every writer is done
+PLANNING_TIMEOUTS = 6  # an asynchronous save's collectives wait this many usual timeouts
 
 
 class Checkpointer:
@@ -169,10 +170,14 @@ class Checkpointer:
         self._in_flight: AsyncCallsQueue | None = None
 
     def save(self, runtime, progress) -> None:
-        """Save the runtime's state at `progress` (collective over all ranks)."""
+        """Save the runtime's state at `progress` (collective over all ranks). A synchronous
+        save's collectives wait for the slowest writer, up to SAVE_TIMEOUT; an asynchronous
+        one's only plan what each rank writes, among ranks that come from the same step, so
+        a peer absent for PLANNING_TIMEOUTS usual timeouts is lost, and WORLD breaks then."""
         assert self.root is not None
         self.finish()
-        with patient(None, SAVE_TIMEOUT, self.collective_timeout):
+        timeout = min(SAVE_TIMEOUT, self.collective_timeout * PLANNING_TIMEOUTS) if self.asynchronous else SAVE_TIMEOUT
+        with patient(None, timeout, self.collective_timeout):
             self._save(runtime, progress)
 
     def _save(self, runtime, progress) -> None:
