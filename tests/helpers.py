@@ -101,6 +101,21 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
+def run_ranks(code: str, argv: Callable[[int], list[str]], ranks: int, env: dict[str, str],
+              timeout: float = 120) -> list[tuple[int, str, str]]:
+    """Run `code` as `ranks` processes (rank r gets `argv(r)`); (exit code, stdout, stderr)
+    of each. None outlives the call."""
+    processes = [subprocess.Popen([sys.executable, "-c", code, *argv(rank)], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(ranks)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+            p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs)]
+
+
 def start_logged(cmd: list[str], log: Path) -> subprocess.Popen:
     """A process of the repository, its output in `log`."""
     return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)

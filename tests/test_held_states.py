@@ -5,12 +5,10 @@ tells the live hook to report no state kept (a retry from it would fail alike)."
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, run_ranks
 
 _HOLDER = """
 import sys
@@ -35,16 +33,9 @@ dist.destroy_process_group()
 @pytest.mark.parametrize("steps, expected", [("21,21", "agreed 21 672"), ("22,21", "differ: ")])
 def test_holders_of_different_steps_all_find_out(steps, expected):
     port = 20000 + (os.getpid() * 7 + len(steps) + int(steps[:2])) % 20000
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    ranks = [subprocess.Popen([sys.executable, "-c", _HOLDER, str(r), str(port), steps], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=120) for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-            p.wait()
-    for out, err in outputs:
+    outputs = run_ranks(_HOLDER, lambda rank: [str(rank), str(port), steps], 2,
+                        {**os.environ, "PYTHONPATH": str(REPO)})
+    for _, out, err in outputs:
         assert out.startswith(expected), (out, err[-2000:])
     if expected.startswith("differ"):
-        assert "Adam step 21 to 22, consumed samples 672 to 704" in outputs[0][0]
+        assert "Adam step 21 to 22, consumed samples 672 to 704" in outputs[0][1]

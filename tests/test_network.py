@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import time
 
-from helpers import REPO, child_env, first_layout, new_job
+from helpers import child_env, first_layout, new_job, run_ranks
 from megatron_parcae.control.etcd import JobStore
 from megatron_parcae.control.etcd.keys import MemberRecord
 from megatron_parcae.training.network import PROBE_BYTES, ROUNDS
@@ -55,19 +53,13 @@ def test_rank_0_and_the_first_rank_on_another_instance_measure_once(etcd_server,
         assert store.register_member(MemberRecord(worker, instance, 1000 + worker, time.time(), 0), lease) == 0
     layout = first_layout([10, 11, 12])  # ranks 0 and 1 on node-a, rank 2 on node-b
     args = [str(_free_port()), etcd_server.endpoint, store.keys.job, json.dumps(layout.to_dict())]
-    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(rank), *args], cwd=REPO,
-                              env=child_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for rank in range(3)]
     try:
-        outputs = [p.communicate(timeout=120) for p in ranks]
+        outputs = run_ranks(_RANK, lambda rank: [str(rank), *args], 3, child_env())
     finally:
-        for p in ranks:
-            p.kill()
-            p.wait()
         client.revoke_lease(lease)
     calls = []
-    for p, (out, err) in zip(ranks, outputs):
-        assert p.returncode == 0, err[-3000:]
+    for returncode, out, err in outputs:
+        assert returncode == 0, err[-3000:]
         calls.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     # Every rank learns from rank 0 whether and with whom to measure; only rank 0 and
     # rank 2, the first on another instance, exchange messages (two sizes, each round
