@@ -633,17 +633,23 @@ class JobKeys:
         return f"{self.changes}{Field(int, 1, MAX_GENERATION).check(generation, 'generation'):016d}"
 
 
+def _key_number(key: str, prefix: str) -> int:
+    """The number of a key `<prefix><number>`."""
+    suffix = key[len(prefix):]
+    if not (suffix.isascii() and suffix.isdigit()):
+        raise SchemaError(key, "unknown key under a numbered prefix")
+    return int(suffix)
+
+
 def _numbered(kvs: Sequence[KeyValue], prefix: str, decode: Callable[[bytes, str], R], id_field: str) -> dict[int, R]:
     """Decode keys `<prefix><number>` whose payload repeats the number in `id_field`."""
     out: dict[int, R] = {}
     for kv in kvs:
-        suffix = kv.key[len(prefix):]
-        if not (suffix.isascii() and suffix.isdigit()):
-            raise SchemaError(kv.key, "unknown key under a numbered prefix")
+        number = _key_number(kv.key, prefix)
         record = decode(kv.value, kv.key)
-        if getattr(record, id_field) != int(suffix):
+        if getattr(record, id_field) != number:
             raise SchemaError(kv.key, f"{id_field} {getattr(record, id_field)} does not match the key")
-        out[int(suffix)] = record
+        out[number] = record
     return out
 
 
@@ -689,10 +695,7 @@ class JobStore:
         """The worker ids of the members, read without their records: a member key
         goes with its lease, when the worker exits, is fenced or stops answering."""
         prefix = self.keys.members
-        ids = [key[len(prefix):] for key in self.client.keys_with_prefix(prefix)]
-        if not all(i.isascii() and i.isdigit() for i in ids):
-            raise SchemaError(prefix, "unknown key under a numbered prefix")
-        return frozenset(map(int, ids))
+        return frozenset(_key_number(key, prefix) for key in self.client.keys_with_prefix(prefix))
 
     def members(self) -> dict[int, MemberRecord]:
         """Every member. A payload the previous call decoded is not decoded again: the
