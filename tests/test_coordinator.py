@@ -29,7 +29,7 @@ from helpers import envelope, new_job, python_child, wait_for
 from helpers import SHAPE as MODEL
 
 from megatron_parcae import cli
-from megatron_parcae.control.coordinator import ConfigError, Coordinator, CoordinatorConfig
+from megatron_parcae.control.coordinator import MAX_RETRIES, ConfigError, Coordinator, CoordinatorConfig
 from megatron_parcae.control.etcd import JobStore, KeptLease, SchemaError
 from megatron_parcae.control.etcd.client import KeyValue
 from megatron_parcae.control.etcd.keys import SAVE_AND_EXIT, TRAIN, CoordinatorState, MemberRecord, NoticeRecord
@@ -595,6 +595,31 @@ def test_a_growth_broken_mid_change_is_retried_from_the_state_the_old_workers_ke
         published = wait_for(lambda: [e for e in read_events(events) if isinstance(e, PlanPublished)
                                       and e.generation == 3], WAIT_S, "the plan's event")[0]
         assert (published.recovery, published.lost) == ("replicas", (3,))
+
+
+def test_a_change_that_keeps_breaking_is_retried_at_most_max_retries_times(job):
+    """A growth that breaks every time, nobody lost (a failure that recurs): retried from
+    the old layout's kept state MAX_RETRIES times, then the job restarts from its checkpoint
+    instead of looping."""
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(2)]
+    with running(store, write_config(tmp_path, **{"min-workers": 2})):
+        wait_generation(store, 1)
+        workers += [Worker(store, 2), Worker(store, 3)]
+        for worker in workers[:2]:
+            worker.acknowledge(1)
+        generation = 2
+        for attempt in range(MAX_RETRIES + 1):
+            assert wait_generation(store, generation).workers == {0, 1, 2, 3}
+            for worker in workers[:2]:
+                worker.broke(generation, state_kept=True, state_of=1)
+            for worker in workers[2:]:
+                worker.broke(generation, state_kept=False, state_of=0)
+            generation += 1
+            wait_generation(store, generation)
+            retried = "mid-change: retried from the state the workers kept" in decision(store, generation)["reason"]
+            assert retried == (attempt < MAX_RETRIES), (attempt, decision(store, generation))
+        assert store.plan(generation).migration is None and decision(store, generation)["kind"] == "restart"
 
 
 def test_member_whose_notice_expired_is_dropped_and_fenced(job):

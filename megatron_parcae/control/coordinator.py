@@ -110,6 +110,7 @@ from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement, copy_h
 log = logging.getLogger("parcae.coordinator")
 
 STUCK_LEASES = 3  # a live worker silent this many lease periods after its WORLD broke counts as lost
+MAX_RETRIES = 3  # retries of a change from one layout's kept state before the snapshots or the checkpoint
 NOTICE_BATCH_SECONDS = 1.0  # how long a forced change waits for the rest of a batch of notices (at most)
 MAX_REST_SECONDS = 0.25  # the longest rest after a reconcile (see Coordinator._lead)
 
@@ -331,6 +332,7 @@ class Coordinator:
         self._broken_seen: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a worker first said it broke)
         self._loss_in_change: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a loss was seen mid-change)
         self._stuck: tuple[int, frozenset[int]] = (0, frozenset())  # the workers last counted lost for not reporting
+        self._retried: tuple[int, int] = (0, 0)  # (generation whose kept state changes were retried from, times)
         self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
         self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
         grace = optimizer.costs.constants.grace_period_seconds
@@ -905,11 +907,17 @@ class Coordinator:
         """After the change of `generation` broke mid-way: the change planned again, without
         the lost workers, from the layout it started from, whose state its workers kept.
         None when they kept none (or of several layouts), an available worker of that layout
-        did not keep it, or a lost one's state is not held by another."""
+        did not keep it, a lost one's state is not held by another, or changes from that
+        state broke MAX_RETRIES times already (a failure that recurs would loop)."""
         kept = {members[w].kept_state_of() for w in view.broken} - {0}
         if len(kept) != 1 or generation in kept:
             return None
         source = kept.pop()
+        times = self._retried[1] if self._retried[0] == source else 0
+        if times >= MAX_RETRIES:
+            log.warning("the change from generation %d's state broke %d times after retries: not retried again",
+                        source, times + 1)
+            return None
         envelope = self._store.plan(source)
         if envelope is None or envelope.action != TRAIN:
             return None
@@ -919,7 +927,10 @@ class Coordinator:
         if (layout.workers & view.available) - holders:
             return None
         decision = self._in_place(layout, view, view.noticed & holders)
-        return decision if decision.plan is not None else None
+        if decision.plan is None:
+            return None
+        self._retried = (source, times + 1)
+        return decision
 
     def _from_copies(self, view: MemberView) -> Decision | None:
         """A plan that rolls the workers back to their newest snapshots (reconfig/copies.py)
