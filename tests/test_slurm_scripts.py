@@ -210,6 +210,21 @@ def test_worker_runs_the_command_with_its_id_and_gpu(tmp_path):
     assert result.returncode == 2 and "local task 3" in result.stderr and "sees 2 GPUs" in result.stderr
 
 
+def test_worker_behind_a_leaf_switch_names_it_as_its_failure_domain(tmp_path):
+    """SLURM's tree topology: the switches above the node become its failure domain; a
+    flat topology (the node alone) or a domain the command names leaves it be."""
+    probe = "import sys; print(*sys.argv[1:])"
+    env = slurm_env(tmp_path, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_TOPOLOGY_ADDR="top.leaf3.node17",
+                    SLURM_TOPOLOGY_ADDR_PATTERN="switch.switch.node")
+    result = run_script("worker.sh", env, "etcd", sys.executable, "-c", probe, "--x")
+    assert result.returncode == 0 and result.stdout.split() == ["--x", "--parcae-failure-domain", "top.leaf3"]
+    result = run_script("worker.sh", env, "etcd", sys.executable, "-c", probe, "--parcae-failure-domain", "zone-a")
+    assert result.stdout.split() == ["--parcae-failure-domain", "zone-a"], result.stderr
+    env.update(SLURM_TOPOLOGY_ADDR="node17", SLURM_TOPOLOGY_ADDR_PATTERN="node")
+    result = run_script("worker.sh", env, "etcd", sys.executable, "-c", probe, "--x")
+    assert result.stdout.split() == ["--x"], result.stderr
+
+
 def test_worker_ids_stay_within_the_schema():
     from megatron_parcae.control.etcd.keys import MAX_WORKER_ID
 

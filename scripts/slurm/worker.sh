@@ -15,6 +15,11 @@
 #
 # LOCAL_RANK picks this task's GPU: SLURM_LOCALID among the GPUs the task sees, or 0 when
 # SLURM bound one GPU to the task (CUDA_VISIBLE_DEVICES lists one).
+#
+# On a cluster with SLURM's tree topology, srun sets SLURM_TOPOLOGY_ADDR to the switches
+# above the node and the node (e.g. top.leaf3.node17): the node's leaf switch, the last
+# switch before the node, is its failure domain (--parcae-failure-domain, unless COMMAND
+# names one), so buddies keep their copies behind another switch.
 set -euo pipefail
 
 # shellcheck disable=SC2034  # common.sh names us with it
@@ -50,7 +55,12 @@ if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
   fi
 fi
 
-command=("$@" "${id_flags[@]}")
+domain_flags=()
+if [[ ${SLURM_TOPOLOGY_ADDR:-} == *.* && " $* " != *" --parcae-failure-domain "* ]]; then
+  domain_flags=(--parcae-failure-domain "${SLURM_TOPOLOGY_ADDR%.*}")
+fi
+
+command=("$@" "${id_flags[@]}" "${domain_flags[@]}")
 if dry_run; then
   show env "LOCAL_RANK=$local_rank" "${command[@]}"
   exit 0
