@@ -19,10 +19,12 @@ PROCESS_FIXTURES = frozenset({"etcd_server", "client", "own_etcd", "auth_server"
                               "uninterrupted"})
 
 
-# Modules whose tests take minutes of wall-clock time (a replayed trace): run first, so
-# that the test processes (pytest.ini's -n) finish together.
-LONGEST_FIRST = ("test_slurm_elastic.py", "test_half_precision.py", "test_replay.py", "test_model_flags.py",
-                 "test_exit_signal_handler.py", "test_reconfig_live.py")
+# Modules of the longest tests, longest first: they run first, so that the test processes
+# (pytest.ini's -n; --maxschedchunk 1 hands each process a test or two at a time) finish
+# together.
+LONGEST_FIRST = ("test_slurm_elastic.py", "test_replay.py", "test_copies_live.py", "test_half_precision.py",
+                 "test_recovery.py", "test_model_flags.py", "test_reconfig_live.py", "test_save_and_exit.py",
+                 "test_checkpoint_interop.py", "test_exit_signal_handler.py", "test_training.py")
 
 
 def _interrupted(signum, frame):
@@ -39,7 +41,8 @@ def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.path.name not in LONGEST_FIRST)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
 
 
 @pytest.fixture(scope="session")
