@@ -143,7 +143,10 @@ def test_a_peer_silent_in_an_asynchronous_save_breaks_world_soon(tmp_path, silen
     try:
         for rank in ranks[:2]:
             out = rank.communicate(timeout=120)[0]
-            assert out.strip().endswith("failed: RuntimeError"), out[-3000:]
+            # megatron-core's writer processes, forked for the save, may print a traceback
+            # of their own after it: their queue's manager ends with the script.
+            lines = out.splitlines()
+            assert "failed: RuntimeError" in lines and "finished" not in lines, out[-3000:]
     finally:
         for rank in ranks:
             rank.kill()
