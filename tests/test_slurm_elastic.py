@@ -264,15 +264,15 @@ def check_one_element_per_node(job: ElasticJob) -> None:
 
 def check_moved_in_place_within_the_grace_time(job: ElasticJob, record_property) -> None:
     full, shrinks, _ = job.changes()
-    for shrink in shrinks:
+    moves = [job.change_of(shrink) for shrink in shrinks]
+    for shrink, moved in zip(shrinks, moves):
         assert world(shrink) == NODES - PRIO_NODES and "notice" in shrink.reason, shrink
-        moved = job.change_of(shrink)
         assert moved.kind not in ("restart", "save-and-exit") and world(moved) == NODES - PRIO_NODES, moved
         assert moved.time - shrink.time < GRACE_S, (shrink, moved)
     assert not job.of(Load)  # no checkpoint was read, ever
     # The two workers kept are two that SLURM did not preempt.
     assert set(shrinks[-1].workers) < set(full.workers), (full, shrinks)
-    first, last = shrinks[0], job.change_of(shrinks[-1])
+    first, last = shrinks[0], moves[-1]
     notice_s, move_s = first.time - job.prio_submitted, last.time - first.time
     record_property("notice_after_prio_submit_s", round(notice_s, 2))
     record_property("move_in_place_s", round(move_s, 2))
