@@ -91,6 +91,12 @@ class SlurmCluster:
         active = {"PENDING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED", "CONFIGURING"}
         self.wait(job_id, lambda records: not any(r.get("JobState") in active for r in records), timeout, "ended")
 
+    def log_lines(self, keep: Callable[[str], bool]) -> str:
+        """slurmctld's log lines for which keep(line) holds."""
+        log = self.base / "log" / "slurmctld.log"
+        return "".join(line for line in log.read_text(errors="replace").splitlines(keepends=True) if keep(line)) \
+            if log.exists() else ""
+
     def log_tail(self, lines: int = 30) -> str:
         log = self.base / "log" / "slurmctld.log"
         return "".join(log.read_text(errors="replace").splitlines(keepends=True)[-lines:]) if log.exists() else ""

@@ -126,6 +126,7 @@ class ElasticJob:
     prio: dict[str, str] = field(default_factory=dict)  # the prio job's scontrol record, completed
     elements: dict[str, dict[str, str]] = field(default_factory=dict)  # by array task id, all ended
     control_record: dict[str, str] = field(default_factory=dict)
+    slurm_log: str = ""  # slurmctld's lines on the job, the prio job and the nodes, once all ended
 
     def of(self, kind: type) -> list:
         return [e for e in worker_events(self.run_dir) if isinstance(e, kind)]
@@ -150,8 +151,9 @@ class ElasticJob:
                  f"{self.prio.get('StartTime')} to {self.prio.get('EndTime')}"]
         lines += [f"element {task}: {r.get('JobState')}, restarts {r.get('Restarts')}, ran {r.get('StartTime')} to "
                   f"{r.get('EndTime')}" for task, r in sorted(self.elements.items())]
-        lines += [f"plan {p.generation} at {datetime.fromtimestamp(p.time):%H:%M:%S}" for p in plans(self.run_dir)]
-        return "\n".join(lines)
+        lines += [f"plan {p.generation} at {datetime.fromtimestamp(p.time):%H:%M:%S}: {p.workers}, {p.reason}"
+                  for p in plans(self.run_dir)]
+        return "\n".join([*lines, "slurmctld:", self.slurm_log])
 
     def change_of(self, plan: PlanPublished) -> LayoutChange:
         [change] = [c for c in self.of(LayoutChange) if c.generation == plan.generation]
@@ -204,6 +206,10 @@ def run_preempted(cluster: SlurmCluster, folder: Path, name: str, instances: int
         print(logs(job.run_dir))
         raise
     job.elements = {r["ArrayTaskId"]: r for r in records}
+    ids = {job.array, job.control, job.prio.get("JobId", "-")} | {r["JobId"] for r in records}
+    job.slurm_log = cluster.log_lines(
+        lambda line: f"JobId={job.array}_" in line or any(f"JobId={i} " in line for i in ids)
+        or any(w in line.lower() for w in ("preempt", "requeue", "not responding", "down", "drain")))
     return job
 
 
@@ -245,6 +251,7 @@ def elastic_job(slurm_cluster, reference, tmp_path_factory):  # noqa: F811
 
 def test_elastic_job_moves_in_place_when_preempted_and_grows_back(elastic_job, reference, record_property):
     """One test, so that pytest-xdist runs the job once: each check below names what failed."""
+    print(elastic_job.timeline())
     check_one_element_per_node(elastic_job)
     check_moved_in_place_within_the_grace_time(elastic_job, record_property)
     check_rejoined_and_grown_back(elastic_job, record_property)
@@ -259,7 +266,8 @@ def check_one_element_per_node(job: ElasticJob) -> None:
     assert sorted(job.elements) == [str(t) for t in range(NODES)]
     assert all(r["Partition"] == "spot" and r["JobName"] == job.name for r in job.elements.values())
     # Just two elements were preempted, and came back.
-    assert sorted(r["Restarts"] for r in job.elements.values()) == ["0"] * (NODES - PRIO_NODES) + ["1"] * PRIO_NODES
+    assert sorted(r["Restarts"] for r in job.elements.values()) == ["0"] * (NODES - PRIO_NODES) + ["1"] * PRIO_NODES, \
+        job.timeline()
 
 
 def check_moved_in_place_within_the_grace_time(job: ElasticJob, record_property) -> None:
@@ -390,7 +398,7 @@ def test_whole_job_preempted_at_once_saves_in_the_grace_time_and_resumes_losing_
     parameters of an uninterrupted run."""
     job = whole_job
     assert sorted(job.elements) == [str(t) for t in range(WHOLE_INSTANCES)]
-    assert all(r["Restarts"] == "1" for r in job.elements.values()), job.elements  # all preempted, once
+    assert all(r["Restarts"] == "1" for r in job.elements.values()), job.timeline()  # all preempted, once
 
     # The coordinator's plans: a start (it may start on one instance, the other joining in
     # place), save-and-exit of the layout on both instances once both were noticed, then a
