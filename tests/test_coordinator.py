@@ -557,19 +557,22 @@ def test_broken_world_waits_for_every_live_worker_then_recovers(job):
         assert "some mid-change" in decision(store, 4)["reason"]
 
 
-@pytest.mark.parametrize("dropped, lost_first", [(False, False), (True, False), (False, True)],
-                         ids=["kept", "dropped", "lost-before-reports"])
-def test_a_growth_broken_mid_change_is_retried_from_the_state_the_old_workers_kept(job, dropped, lost_first):
+@pytest.mark.parametrize("dropped, lost_first, sharded",
+                         [(False, False, False), (True, False, False), (True, False, True), (False, True, True)],
+                         ids=["kept", "dropped", "dropped-sharded", "lost-before-reports"])
+def test_a_growth_broken_mid_change_is_retried_from_the_state_the_old_workers_kept(job, dropped, lost_first, sharded):
     """A joiner killed while the layout grows: the old layout's workers kept its state, so
     the change is planned again from that layout without the joiner (the other joiner,
-    which held nothing, is just available); unless one of them dropped its state. When
-    the joiner's loss is seen before the others report, and planning from the grown layout
-    would restart, the coordinator waits for them."""
+    which held nothing, is just available). Where one of them dropped its state, the
+    retry leaves it out too and refills its slot from its replica; with the distributed
+    optimizer its moments have none, and the job restarts. When the joiner's loss is seen
+    before the others report, and planning from the grown layout would restart, the
+    coordinator waits for them."""
     store, workers, tmp_path = job
     workers += [Worker(store, w) for w in range(2)]
     events = tmp_path / "coordinator.events.jsonl"
-    # The distributed optimizer: the grown layout without the joiner has lost state.
-    config = write_config(tmp_path, **{"min-workers": 2, "distributed-optimizer": lost_first})
+    # The distributed optimizer: a slot's optimizer state is held by its worker alone.
+    config = write_config(tmp_path, **{"min-workers": 2, "distributed-optimizer": sharded})
     with running(store, config, events=events):
         first = wait_generation(store, 1)
         workers += [Worker(store, 2), Worker(store, 3)]  # the growth waits for the first plan's acknowledgements
@@ -586,11 +589,13 @@ def test_a_growth_broken_mid_change_is_retried_from_the_state_the_old_workers_ke
         if not lost_first:
             workers[3].vanish()
         retried = wait_generation(store, 3)
-        if dropped:  # worker 0's state is gone and the first layout keeps no snapshots
+        if dropped and sharded:  # worker 0's state is gone and the first layout keeps no snapshots
             assert store.plan(3).migration is None and "some mid-change" in decision(store, 3)["reason"]
             return
         plan = migration(store, 3)
-        assert plan.request.old == first and plan.request.survivors == {0, 1} and 3 not in retried.workers
+        kept = {1} if dropped else {0, 1}  # worker 0, alive, dropped its state: refilled from worker 1
+        assert plan.request.old == first and plan.request.survivors == kept and 3 not in retried.workers
+        assert retried.workers.isdisjoint({0} - kept)
         assert "mid-change: retried from the state the workers kept" in decision(store, 3)["reason"]
         published = wait_for(lambda: [e for e in read_events(events) if isinstance(e, PlanPublished)
                                       and e.generation == 3], WAIT_S, "the plan's event")[0]

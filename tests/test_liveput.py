@@ -462,6 +462,23 @@ def test_dynamic_program_equals_brute_force(data):
     expected = brute_force(optimizer, current, frozenset(available), leaving, forecast, busy)
     assert decision.expected_samples == pytest.approx(expected, rel=1e-9, abs=1e-9)
     assert len(decision.path) == horizon
+    assert decision.horizon_samples >= max(0.0, decision.expected_samples) - 1e-9
+
+
+@pytest.mark.parametrize("interval", [2, 60])
+def test_horizon_samples_leave_out_the_stall_after_the_horizon(interval):
+    # A cold start (about 21 s) outlasts a horizon of one 2 s interval: the program charges
+    # the stall after it, so its value is negative; what trains in the horizon is nothing.
+    constants = dataclasses.replace(CONSTANTS, interval_seconds=interval)
+    optimizer = LiveputOptimizer(tiny_table(), MigrationCostModel(constants, TINY), horizon=1)
+    decision = optimizer.decide(None, range(4))
+    rate = optimizer.throughput.samples_per_second(decision.layout.parallelism)
+    trained = rate * max(0.0, interval - decision.cost.seconds)
+    assert decision.horizon_samples == pytest.approx(trained)
+    if interval == 2:
+        assert decision.expected_samples < 0 == decision.horizon_samples
+    else:
+        assert decision.expected_samples == pytest.approx(trained) and trained > 0
 
 
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=8), st.integers(1, 4))

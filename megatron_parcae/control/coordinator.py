@@ -279,6 +279,21 @@ class MemberView:
     noticed: frozenset[int]  # members under a notice whose deadline has not passed
 
 
+@dataclass
+class FirstSeen:
+    """When the coordinator first saw a condition in a generation: it waits on one a
+    bounded time (STUCK_LEASES lease periods), counted afresh in each generation."""
+
+    generation: int = -1  # none yet
+    at: float = 0.0  # monotonic
+
+    def seconds(self, generation: int) -> float:
+        """Seconds since first seen in `generation`; the first call of a generation starts at 0."""
+        if generation != self.generation:
+            self.generation, self.at = generation, time.monotonic()
+        return time.monotonic() - self.at
+
+
 class Coordinator:
     """Leader election, then reconcile on every membership change and interval boundary.
 
@@ -329,8 +344,8 @@ class Coordinator:
         self._domain_of: dict[int, str] = {}  # the failure domain of every worker whose record named one
         self._decisions: deque[dict] = deque(maxlen=DECISIONS_KEPT)
         self._busy_until = 0.0  # monotonic time the last migration is expected to end
-        self._broken_seen: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a worker first said it broke)
-        self._loss_in_change: tuple[int, float] = (0, 0.0)  # (generation, monotonic time a loss was seen mid-change)
+        self._broken_seen = FirstSeen()  # a worker said the generation's WORLD broke
+        self._loss_in_change = FirstSeen()  # a worker was lost while the change to the generation is applied
         self._stuck: tuple[int, frozenset[int]] = (0, frozenset())  # the workers last counted lost for not reporting
         self._retried: tuple[int, int] = (0, 0)  # (generation whose kept state changes were retried from, times)
         self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
@@ -638,14 +653,12 @@ class Coordinator:
             # SAVE_TIMEOUT for a peer killed mid-save) counts as lost after STUCK_LEASES
             # lease periods, until it reports.
             waiting = (current.workers & view.available) - view.broken
-            if self._broken_seen[0] != generation:
-                self._broken_seen = (generation, time.monotonic())
-            first = self._broken_seen[1]
-            if waiting and time.monotonic() - first > STUCK_LEASES * self._config.lease_seconds:
+            silent = self._broken_seen.seconds(generation)
+            if waiting and silent > STUCK_LEASES * self._config.lease_seconds:
                 if self._stuck != (generation, waiting):
                     self._stuck = (generation, waiting)
                     log.warning("workers %s have not reported the broken WORLD of generation %d for %.0f s: "
-                                "counting them as lost", _ids(waiting), generation, time.monotonic() - first)
+                                "counting them as lost", _ids(waiting), generation, silent)
                 view = dataclasses.replace(view, available=view.available - waiting, lost=view.lost | waiting)
                 waiting = frozenset()
             if not waiting:
@@ -692,11 +705,10 @@ class Coordinator:
         lease period), report it broken with the state they brought into it, from which
         `_retry` plans the change again. A plan from the new layout before that would
         assume state its workers may never have had. STUCK_LEASES lease periods at most."""
-        if self._loss_in_change[0] != generation:
-            self._loss_in_change = (generation, time.monotonic())
+        if self._loss_in_change.generation != generation:
             log.info("workers %s were lost while the change to generation %d is applied: waiting for its workers "
                      "to report it broken", _ids(view.lost), generation)
-        return time.monotonic() - self._loss_in_change[1] <= STUCK_LEASES * self._config.lease_seconds
+        return self._loss_in_change.seconds(generation) <= STUCK_LEASES * self._config.lease_seconds
 
     def _plans_for(self, members: dict[int, MemberRecord]) -> bool:
         """Keep the optimizer to the layouts every member's model can be built in; False
@@ -730,7 +742,7 @@ class Coordinator:
         """The optimizer's decision; its expected liveput is kept for the interval's scalars."""
         decision = self._optimizer.decide(*args, **kwargs)
         if decision.layout is not None:
-            self._liveput = decision.expected_samples / (self._optimizer.horizon * self._interval)
+            self._liveput = decision.horizon_samples / (self._optimizer.horizon * self._interval)
         return decision
 
     def _chart(self) -> None:
@@ -905,10 +917,12 @@ class Coordinator:
 
     def _retry(self, generation: int, view: MemberView, members: dict[int, MemberRecord]) -> Decision | None:
         """After the change of `generation` broke mid-way: the change planned again, without
-        the lost workers, from the layout it started from, whose state its workers kept.
-        None when they kept none (or of several layouts), an available worker of that layout
-        did not keep it, a lost one's state is not held by another, or changes from that
-        state broke MAX_RETRIES times already (a failure that recurs would loop)."""
+        the lost workers, from the layout it started from, whose state its workers kept. A
+        worker of that layout that kept none of it is left out of this plan like a lost one
+        (its slots refilled from replicas); it may join a later one. None when they kept
+        none (or of several layouts), a left-out one's state is not held by another, or
+        changes from that state broke MAX_RETRIES times already (a failure that recurs
+        would loop)."""
         kept = {members[w].kept_state_of() for w in view.broken} - {0}
         if len(kept) != 1 or generation in kept:
             return None
@@ -924,9 +938,9 @@ class Coordinator:
         layout = Layout.from_dict(envelope.layout)
         holders = frozenset(w for w in layout.workers & frozenset(members)
                             if members[w].broken == generation and members[w].kept_state_of() == source)
-        if (layout.workers & view.available) - holders:
-            return None
-        decision = self._in_place(layout, view, view.noticed & holders)
+        emptied = (layout.workers & view.available) - holders
+        decision = self._in_place(layout, dataclasses.replace(view, available=view.available - emptied),
+                                  view.noticed & holders)
         if decision.plan is None:
             return None
         self._retried = (source, times + 1)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -73,7 +73,10 @@ class Decision:
     plan: MigrationPlan | None
     cost: MigrationCost
     path: tuple[Parallelism, ...]  # layouts planned for this and the coming intervals
+    # The program's value: samples over the horizon less what a change still running at
+    # its end stalls after it (negative when that outweighs them).
     expected_samples: float
+    horizon_samples: float = 0.0  # samples the path trains within the horizon, never negative
 
 
 def outlook(forecast: AvailabilityForecast | None, instances_now: int, steps: int) -> list[StepOutlook]:
@@ -207,13 +210,15 @@ class LiveputOptimizer:
         if running is not None and current.parallelism.world_size <= capacity:
             first.add(running)
         steps = outlook(forecast, instances, self.horizon - 1)
-        path, value = self._solve(first, start_cost, exact, busy_seconds, instances, steps)
-        return self._realise(current, available, leaving, lost, placement, [self._layouts[i] for i in path], value,
-                             copies)
+        path, value, stalled = self._solve(first, start_cost, exact, busy_seconds, instances, steps)
+        decision = self._realise(current, available, leaving, lost, placement, [self._layouts[i] for i in path],
+                                 value, copies)
+        return replace(decision, horizon_samples=max(0.0, value + stalled))
 
     def _solve(self, first: set[int], start_cost: Callable[[int], tuple[float, bool]], exact: set[int],
-               busy: float, instances: int, steps: list[StepOutlook]) -> tuple[list[int], float]:
-        """Best layout sequence and its expected samples; [] when nothing fits.
+               busy: float, instances: int, steps: list[StepOutlook]) -> tuple[list[int], float, float]:
+        """Best layout sequence, its value, and the samples its overrun past the horizon
+        stalls (charged in the value); [] when nothing fits.
 
         A state is (step, layout run in it, seconds of changes overrunning into the next
         step), valued best-first and remembered: `after(k, q, carry)` is the best value of
@@ -300,14 +305,14 @@ class LiveputOptimizer:
             if v > best_value:
                 best_value, best_start, best_carry = v, p, left
         if best_start is None:
-            return [], 0.0
+            return [], 0.0, 0.0
         path, carry = [best_start], best_carry
         for k in range(len(steps)):
             _, following, carry = memo[k, path[-1], carry]
             if following is None:
                 break
             path.append(following)
-        return path, best_value
+        return path, best_value, rate[path[-1]] * carry
 
     def rebuild(self, current: Layout) -> Decision:
         """The running layout on the same workers, its WORLD formed anew in place: for a
