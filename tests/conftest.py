@@ -12,6 +12,7 @@ import pytest
 
 from collective_probe import read_findings
 from helpers import REPO, TRAIN, losses, shared_losses, start_logged, torchrun
+from slurm_cluster import slurm_cluster  # noqa: F401  # one cluster per test process, for every module
 
 # Fixtures that start processes (etcd servers, coordinators, workers, torchrun jobs): a
 # test that uses one is `slow`. Tests that start processes themselves carry the mark.

@@ -1,7 +1,7 @@
 """A real SLURM cluster on this machine for a test session (scripts/slurm/local-cluster.sh):
-the `slurm_cluster` fixture and the handle it yields. A test module that needs it imports
-the fixture (`from slurm_cluster import slurm_cluster`); without root, apt-get or the
-packages, its tests are skipped."""
+the `slurm_cluster` fixture and the handle it yields. conftest.py registers the fixture, so
+a test process starts one cluster at most, which every SLURM test module shares; without
+root, apt-get or the packages, their tests are skipped."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import wait_for
-from slurm_cluster import GRACE_S, GRACE_TIMER_S, KILL_WAIT_S, NODES, SlurmCluster, slurm_cluster  # noqa: F401
+from slurm_cluster import GRACE_S, GRACE_TIMER_S, KILL_WAIT_S, NODES, SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -68,7 +68,7 @@ class SpotArray:
 
 
 @pytest.fixture(scope="module")
-def spot_array(slurm_cluster, tmp_path_factory):  # noqa: F811
+def spot_array(slurm_cluster, tmp_path_factory):
     """A 1-node array of NODES elements on spot, one node each, all running."""
     out = tmp_path_factory.mktemp("spot")
     (out / "element.py").write_text(ELEMENT)
@@ -96,7 +96,7 @@ class Preemption:
 
 
 @pytest.fixture(scope="module")
-def preemption(slurm_cluster, spot_array):  # noqa: F811
+def preemption(slurm_cluster, spot_array):
     """A 2-node prio job submitted while the array fills every node, run to its end; then
     the requeued elements running again."""
     script = spot_array.out / "prio.sbatch"

@@ -23,7 +23,7 @@ import pytest
 
 from helpers import REPO, SMALL_GPT, assert_same_state, child_env, processes_mentioning, wait_for
 from megatron_parcae.events import Event, Iteration, LayoutChange, Load, PlanPublished, Save, read_events
-from slurm_cluster import GRACE_S, NODES, SlurmCluster, slurm_cluster  # noqa: F401
+from slurm_cluster import GRACE_S, NODES, SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -155,6 +155,10 @@ class ElasticJob:
                   for p in plans(self.run_dir)]
         return "\n".join([*lines, "slurmctld:", self.slurm_log])
 
+    def preempted(self) -> list[str]:
+        """The array tasks slurmctld requeued for a preemption, one entry per requeue."""
+        return re.findall(rf"preempted JobId={self.array}_(\d+)\(\d+\) has been requeued", self.slurm_log)
+
     def change_of(self, plan: PlanPublished) -> LayoutChange:
         [change] = [c for c in self.of(LayoutChange) if c.generation == plan.generation]
         return change
@@ -239,7 +243,7 @@ def reference(tiny_data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def elastic_job(slurm_cluster, reference, tmp_path_factory):  # noqa: F811
+def elastic_job(slurm_cluster, reference, tmp_path_factory):
     """The job of the module docstring, run to its end; cancelled if it does not get there."""
     folder = tmp_path_factory.mktemp("elastic")
     try:
@@ -265,9 +269,11 @@ def check_one_element_per_node(job: ElasticJob) -> None:
     assert job.control_record["Partition"] == "control" and job.control_record["JobName"] == job.name
     assert sorted(job.elements) == [str(t) for t in range(NODES)]
     assert all(r["Partition"] == "spot" and r["JobName"] == job.name for r in job.elements.values())
-    # Just two elements were preempted, and came back.
-    assert sorted(r["Restarts"] for r in job.elements.values()) == ["0"] * (NODES - PRIO_NODES) + ["1"] * PRIO_NODES, \
-        job.timeline()
+    # Just two elements were preempted, once, and came back. (SLURM may requeue an element
+    # for reasons of its own, a failed launch on a loaded machine: the job takes it in stride.)
+    preempted = job.preempted()
+    assert len(preempted) == len(set(preempted)) == PRIO_NODES, job.timeline()
+    assert all(job.elements[task]["Restarts"] != "0" for task in preempted), job.timeline()
 
 
 def check_moved_in_place_within_the_grace_time(job: ElasticJob, record_property) -> None:
@@ -289,10 +295,9 @@ def check_moved_in_place_within_the_grace_time(job: ElasticJob, record_property)
     assert notice_s < 15
     # The preempted elements' workers handed over and left; the elements waited for SLURM
     # to end them at the end of the grace time.
-    for task, record in job.elements.items():
-        if record["Restarts"] != "0":
-            log = (job.run_dir / f"element-{task}.out").read_text()
-            assert log.index("the workers exited (status 0)") < log.index("SIGTERM: ending"), log
+    for task in job.preempted():
+        log = (job.run_dir / f"element-{task}.out").read_text()
+        assert log.index("the workers exited (status 0)") < log.index("SIGTERM: ending"), log
 
 
 def check_rejoined_and_grown_back(job: ElasticJob, record_property) -> None:
@@ -302,7 +307,7 @@ def check_rejoined_and_grown_back(job: ElasticJob, record_property) -> None:
     assert min(joined) > max(w for p in plans(job.run_dir) if p.generation < grow.generation for w in p.workers)
     grown = job.change_of(grow)
     assert grown.kind not in ("restart", "save-and-exit") and world(grown) == NODES
-    restarted = max(clock(r["StartTime"]) for r in job.elements.values() if r["Restarts"] != "0")
+    restarted = max(clock(job.elements[task]["StartTime"]) for task in job.preempted())
     prio_end = clock(job.prio["EndTime"])
     record_property("rejoin_after_prio_end_s", round(grown.time - prio_end, 1))
     record_property("rejoin_after_element_restart_s", round(grown.time - restarted, 1))
@@ -332,7 +337,7 @@ def etcd_data(run_dir: Path, control: str) -> Path:
     return Path(re.search(r"etcd serves at \S+ \(data (\S+),", log).group(1))
 
 
-def test_cancel_ends_a_running_job_and_a_second_submit_of_its_name_is_refused(slurm_cluster, tmp_path):  # noqa: F811
+def test_cancel_ends_a_running_job_and_a_second_submit_of_its_name_is_refused(slurm_cluster, tmp_path):
     name = "to-cancel"
     dry = parcae_slurm(slurm_cluster, "submit", "--partition", "spot", "--control-partition", "control",
                        "--instances", "8", "--job-name", name, "--dry-run", "--", *SMALL_GPT)
@@ -377,7 +382,7 @@ WHOLE_GRACE_S = 15
 
 
 @pytest.fixture(scope="module")
-def whole_job(slurm_cluster, reference, tmp_path_factory):  # noqa: F811
+def whole_job(slurm_cluster, reference, tmp_path_factory):
     """A job of WHOLE_INSTANCES elements, every one preempted at once once it trains,
     run to its end; cancelled if it does not get there."""
     folder = tmp_path_factory.mktemp("whole")
