@@ -429,12 +429,14 @@ def _roll_back(plan: MigrationPlan, worker: int, snapshots: Snapshots | None,
                consumed_samples: int) -> tuple[HeldState | None, dict[int, HeldState], int, int]:
     """For a plan that recovers from copies (plan.Copies): (this worker's state, the copies
     it holds, consumed samples) of the newest snapshot every holder has, and the samples
-    the job had consumed before (the most any member knew). Collective over WORLD."""
+    the job had consumed before (the most a holder knew: a joiner's count is of a past the
+    job may have gone back from since, and would count steps lost twice). Collective over
+    WORLD."""
     generation = plan.request.copies.generation
     holder = plan.request.sender(worker) == (worker, None)  # a live worker of the snapshots' layout
     none = 2**62
     mine = (snapshots.newest(generation) if snapshots is not None else -1) if holder else none
-    agreed = planes.control_tensor([mine, -consumed_samples])
+    agreed = planes.control_tensor([mine, -consumed_samples if holder else 0])
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     key, known = int(agreed[0]), -int(agreed[1])
     if key < 0:
