@@ -93,13 +93,15 @@ class SlurmCluster:
 
     def log_lines(self, keep: Callable[[str], bool]) -> str:
         """slurmctld's log lines for which keep(line) holds."""
-        log = self.base / "log" / "slurmctld.log"
-        return "".join(line for line in log.read_text(errors="replace").splitlines(keepends=True) if keep(line)) \
-            if log.exists() else ""
+        return "".join(line for line in self._log() if keep(line))
 
     def log_tail(self, lines: int = 30) -> str:
+        return "".join(self._log()[-lines:])
+
+    def _log(self) -> list[str]:
+        """slurmctld's log, line by line (none before it starts)."""
         log = self.base / "log" / "slurmctld.log"
-        return "".join(log.read_text(errors="replace").splitlines(keepends=True)[-lines:]) if log.exists() else ""
+        return log.read_text(errors="replace").splitlines(keepends=True) if log.exists() else []
 
 
 def _free_port_block(first: int, size: int) -> int:
