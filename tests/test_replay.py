@@ -53,7 +53,7 @@ def test_instances_of_two_processes_are_preempted_whole_and_train_the_uninterrup
     summary = json.loads((tmp_path / "s.json").read_text())["parcae"]
     assert summary["preemptions"] >= 3 and summary["arrivals"] >= 1, summary["events"]
     assert max(e["instances"] for e in summary["events"]) == 3
-    assert summary["lost_steps"] == 0 and [c["kind"] for c in summary["changes"]].count("restart") == 1
+    assert summary["lost_steps"] == 0
     # Against the ideal at the throughput this run measured; changes in trace seconds too.
     assert set(summary["samples_per_second"]) <= set(summary["seconds_per_layout"]), summary["samples_per_second"]
     assert 0 < summary["samples"] <= summary["ideal_samples"] * 1.1, summary
@@ -62,6 +62,12 @@ def test_instances_of_two_processes_are_preempted_whole_and_train_the_uninterrup
     assert summary["change_to_interval"] == pytest.approx(summary["mean_change_trace_seconds"] / 60, abs=0.002)
 
     plans = [e for e in read_events(tmp_path / "parcae" / "coordinator-1.events.jsonl") if isinstance(e, PlanPublished)]
+    # One start from the seed; any later restart resumes a save-and-exit (preempted before
+    # another instance had registered, on a slow machine), never a fallback to a checkpoint.
+    assert plans[0].kind == "start" and [c["kind"] for c in summary["changes"]].count("restart") == \
+        1 + sum(plan.kind == "restart" for plan in plans[1:]), plans
+    for before, plan in zip(plans, plans[1:]):
+        assert plan.kind != "restart" or before.kind == "save-and-exit", plans
     instance_of: dict[int, str] = {}
     for plan in plans:
         for rank in range(0, len(plan.workers), plan.tp):  # a tensor-parallel group stays on one instance
