@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import ETCD_DATA_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -251,7 +252,7 @@ def test_a_zero_timeout_never_times_out():
 
 @pytest.mark.slow
 def test_get_waits_through_an_etcd_restart():
-    with EtcdServer() as server, EtcdClient(server.endpoint, timeout=1) as own:
+    with EtcdServer(data_root=ETCD_DATA_ROOT) as server, EtcdClient(server.endpoint, timeout=1) as own:
         store = _store(own, timeout=timedelta(seconds=30))
         got: list[bytes] = []
         reader = threading.Thread(target=lambda: got.append(store.get("k")))
@@ -376,7 +377,8 @@ def test_a_world_that_failed_to_form_leaves_group_names_as_its_peers_count_them(
 
 
 def test_etcd_gone_past_the_outage_bound_is_given_up_and_back_within_it_is_not():
-    with EtcdServer() as server, EtcdClient(server.endpoint, timeout=0.5, outage_seconds=2) as client:
+    with EtcdServer(data_root=ETCD_DATA_ROOT) as server, \
+            EtcdClient(server.endpoint, timeout=0.5, outage_seconds=2) as client:
         store = _store(client)
         store.set("k", b"v")
         client.check_reachable()

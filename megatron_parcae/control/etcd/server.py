@@ -104,10 +104,12 @@ class EtcdServer:
     and requires client certificates signed by `tls.ca`.
 
     The server is tied to the thread that started it (Linux parent-death signal): start
-    it from the main thread, or from a thread that outlives it.
+    it from the main thread, or from a thread that outlives it. Its data directory, made
+    in `data_root` (default: the system's temporary directory), is removed when it stops.
     """
 
-    def __init__(self, binary: str | None = None, tls: TLSFiles | None = None, startup_timeout: float = 10.0) -> None:
+    def __init__(self, binary: str | None = None, tls: TLSFiles | None = None, startup_timeout: float = 10.0,
+                 data_root: str | None = None) -> None:
         if tls is not None and tls.cert is None:
             raise ValueError("a TLS etcd server needs a certificate and key")
         if binary is not None and not _executable(Path(binary)):
@@ -115,6 +117,7 @@ class EtcdServer:
         self.binary = binary or find_etcd_binary()
         self.tls = tls
         self.startup_timeout = startup_timeout
+        self.data_root = data_root
         self.data_dir: str | None = None
         self.client_port = 0
         self._peer_port = 0
@@ -134,7 +137,7 @@ class EtcdServer:
         """Start on fresh ports with an empty data directory; wait until it is healthy."""
         if self._process is not None:
             raise EtcdError("the local etcd server is already running")
-        self.data_dir = tempfile.mkdtemp(prefix="parcae-etcd-")
+        self.data_dir = tempfile.mkdtemp(prefix="parcae-etcd-", dir=self.data_root)
         for attempt in range(_START_ATTEMPTS):
             self.client_port, self._peer_port = _free_port(), _free_port()
             try:
