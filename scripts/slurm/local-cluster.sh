@@ -128,6 +128,10 @@ PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
 JobRequeue=1
 KillWait=5
+# A preemptor still pending KillWait + MessageTimeout after its last preemption preempts
+# again: at the default 10 s a slow kill on a busy machine (the nodes free 18 s after the
+# grace start) had two more jobs signalled than the preemptor needed.
+MessageTimeout=30
 # Finished jobs stay in \`scontrol show job\` for 10 minutes (there is no accounting).
 MinJobAge=600
 InactiveLimit=0
