@@ -129,9 +129,9 @@ SlurmctldParameters=preempt_send_user_signal
 JobRequeue=1
 KillWait=5
 # A preemptor still pending KillWait + MessageTimeout after its last preemption preempts
-# again: at the default 10 s a slow kill on a busy machine (the nodes free 18 s after the
-# grace start) had two more jobs signalled than the preemptor needed.
-MessageTimeout=30
+# again, signalling jobs it does not need. Its nodes come free up to GraceTime + 30 s (the
+# grace timer) + KillWait after it preempted: MessageTimeout leaves 20 s more for a busy machine.
+MessageTimeout=$((grace + 50))
 # Finished jobs stay in \`scontrol show job\` for 10 minutes (there is no accounting).
 MinJobAge=600
 InactiveLimit=0
