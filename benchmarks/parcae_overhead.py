@@ -8,24 +8,31 @@ The same GPT-tiny training (configs/gpt-tiny.yaml, real data) runs in two ways:
   plan agreement about every half second, step reports). The coordinator's throughput
   table lists only T=1, P=1, D=N, so it places the workers in the layout of the plain run.
 
-Two figures per iteration, both over the same counted iterations (all but the first
-WARMUP after the last layout change; the first plan comes at iteration 0):
+Each round starts a plain and a parcae run together and lets them train by turns: one
+trains for SLICE_S (3 s) while every process of the other (etcd and the coordinator
+too) is paused with SIGSTOP, then they swap, until the first ends. A shared 2-core
+machine's speed drifts by 20-30% over tens of seconds, so runs one after the other
+cannot resolve 2% (their median ratios moved from 0.60 to 1.27 in one sitting); turns
+of 3 s keep both runs in the same stretch of that drift. The run that goes first
+alternates with the round.
+
+Two figures per iteration, both over the counted iterations (all but the first WARMUP
+after the last layout change, up to the end of the turns; the first plan comes at
+iteration 0):
 - wall: the "elapsed time per iteration (ms)" the training script reports (--log-interval 1,
-  in its --parcae-events file); a window starts after the previous iteration was
-  reported, so it holds the iteration boundary's parcae work. The figure is the median
-  over all rounds.
+  in its --parcae-events file), of the counted iterations no pause fell in. A window
+  starts after the previous iteration was reported, so it holds the iteration
+  boundary's parcae work. The figure is the median over all rounds.
 - CPU: user + system time (every thread) the run's processes spent per counted
   iteration, read from /proc as each iteration is reported, summed over all rounds:
   the training processes (parcae: main loop, agent thread, etcd client threads), and
   the run's other processes (plain: torchrun's agent; parcae: etcd and the coordinator,
-  which on a cluster run off the training hosts). Other work on a shared machine moves
-  wall times by much more than 2%, the CPU time a run itself spends much less: this
-  figure says where an overhead comes from.
-Plain and parcae runs alternate, the first of each round swapped every round, so slow
-drifts in machine load hit both. The bar is judged on wall time: 2% on the median
-without snapshots (--copy-interval 0), 3% on the mean with them (issue 18: every K steps
-each worker snapshots its state and sends a copy to its buddy, one iteration in K pays
-it); exits 1 if a run fails or the bar is missed.
+  which on a cluster run off the training hosts). This figure says where an overhead
+  comes from.
+The bar is judged on wall time: 2% on the median without snapshots (--copy-interval 0),
+3% on the mean with them (issue 18: every K steps each worker snapshots its state and
+sends a copy to its buddy, one iteration in K pays it); exits 1 if a run fails or the bar
+is missed.
 
     nice python -m benchmarks.parcae_overhead [--iterations 30] [--rounds 3] [--copy-interval K] [--json PATH]
 """
@@ -48,6 +55,7 @@ from pathlib import Path
 
 import psutil
 
+from megatron_parcae.control.etcd import EtcdServer
 from megatron_parcae.events import Event, EventFollower, Iteration, LayoutChange
 from megatron_parcae.tools.replay import interrupt_on_signals
 
@@ -61,7 +69,9 @@ WARMUP = 5
 BAR_PERCENT = 2.0  # without snapshots (--copy-interval 0), on the median
 COPIES_BAR_PERCENT = 3.0  # with them, on the mean: a snapshot lands in one iteration of K
 COPIES = ["--parcae-copy-interval", "10"]  # the workers' snapshots (--copy-interval)
-RUN_LIMIT_S = 300.0
+RUN_LIMIT_S = 300.0  # per run; runs taking turns share the sum
+SLICE_S = 3.0  # a turn: how long one run trains while the other is paused
+PAUSE_MARGIN_S = 0.05  # an iteration this close to a pause counts as paused in
 
 
 class RunFailed(RuntimeError):
@@ -72,7 +82,8 @@ class RunFailed(RuntimeError):
 class RunFigures:
     """One run's counted iterations."""
 
-    iteration_ms: list[float]  # as reported
+    iteration_ms: list[float]  # as reported, of the counted iterations not paused in
+    counted: int  # iterations counted, paused in or not
     training_cpu_s: float  # CPU time of the training processes over the counted iterations
     side_cpu_s: float  # CPU time of the run's other processes over the same iterations
 
@@ -98,7 +109,7 @@ class Comparison:
         """CPU time per counted iteration of the "training" or the "side" processes, all rounds together."""
         runs = self.runs[mode]
         seconds = sum(r.training_cpu_s if part == "training" else r.side_cpu_s for r in runs)
-        return seconds * 1000.0 / sum(len(r.iteration_ms) for r in runs)
+        return seconds * 1000.0 / sum(r.counted for r in runs)
 
     @property
     def wall_ratio(self) -> float:
@@ -183,78 +194,156 @@ def _failed(proc: subprocess.Popen) -> bool:
     return ended is not None and (ended.si_code != os.CLD_EXITED or ended.si_status != 0)
 
 
-def follow(piped: list[subprocess.Popen], events: Path, training: Callable[[], list[int]], side: list[int],
-           what: str, serving: tuple[subprocess.Popen, ...] = ()) -> tuple[str, list[Event], dict[int, tuple[float, float]]]:
-    """Read the piped processes' output until all of them exit 0, and their events;
-    RunFailed at once if a `serving` process (the coordinator) fails. One that exits 0
-    saw training end (the coordinator's `done`), maybe before the last lines are read.
+@dataclass
+class Run:
+    """One started run: its processes, and what `follow` has read of it."""
 
-    Returns the output, the events and, for each reported iteration, the CPU seconds the
-    training and the side processes had spent when its log line arrived (an event is
-    written before its log line is printed, so output is when to read new events).
-    """
-    deadline = time.monotonic() + RUN_LIMIT_S
-    selector = selectors.DefaultSelector()
-    for proc in piped:
-        selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
-    chunks: list[str] = []
-    follower = EventFollower(events)
-    reported: list[Event] = []
-    cpu_at: dict[int, tuple[float, float]] = {}
-    while selector.get_map() and time.monotonic() < deadline:
-        failed = [proc.args[:4] for proc in serving if _failed(proc)]
-        if failed:
-            raise RunFailed(f"{what}: {' '.join(map(str, failed[0]))} failed before training ended")
-        for key, _ in selector.select(timeout=1.0):
-            data = os.read(key.fd, 1 << 16)
-            if not data:
-                selector.unregister(key.fileobj)
+    mode: str  # "plain" or "parcae"
+    what: str
+    processes: int
+    events: Path  # its workers' --parcae-events file
+    piped: list[subprocess.Popen]  # whose output is read; each must exit 0
+    roots: list[int]  # the run's processes: paused and resumed with their descendants
+    training: Callable[[], list[int]]  # the training processes' pids, once they exist
+    side: list[int]  # its other processes, whose CPU time is counted apart
+    serving: tuple[subprocess.Popen, ...] = ()  # must not fail while it trains (the coordinator)
+    output: list[str] = field(default_factory=list)
+    seen: list[Event] = field(default_factory=list)
+    cpu_at: dict[int, tuple[float, float]] = field(default_factory=dict)  # iteration: (training, side) CPU s
+    paused: list[tuple[float, float]] = field(default_factory=list)  # (SIGSTOP, SIGCONT) Unix times
+    _paused_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.follower = EventFollower(self.events)
+
+    def _signal(self, signum: int) -> None:
+        for root in self.roots:
+            try:
+                tree = [psutil.Process(root)]
+                tree += tree[0].children(recursive=True)
+            except psutil.NoSuchProcess:
                 continue
-            chunks.append(data.decode(errors="replace"))
-            for event in follower.read():
-                reported.append(event)
-                if isinstance(event, Iteration):
-                    cpu_at[event.iteration] = (_cpu_seconds(training()), _cpu_seconds(side))
-    reported += follower.read()
-    output = "".join(chunks)
-    try:
-        for proc in piped:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    codes = [proc.poll() for proc in piped]
-    if any(code != 0 for code in codes):
-        raise RunFailed(f"{what}: exit codes {codes} (None: still running after {RUN_LIMIT_S:.0f} s):\n"
-                        f"{output[-3000:]}")
-    return output, reported, cpu_at
+            for proc in tree:
+                try:
+                    proc.send_signal(signum)
+                except psutil.NoSuchProcess:
+                    pass
+
+    def pause(self) -> None:
+        if self._paused_at is None:
+            self._signal(signal.SIGSTOP)
+            self._paused_at = time.time()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._signal(signal.SIGCONT)
+            self.paused.append((self._paused_at, time.time()))
+            self._paused_at = None
+
+    def take(self, data: bytes) -> None:
+        """Output arrived: keep it, and read the events written before it."""
+        self.output.append(data.decode(errors="replace"))
+        for event in self.follower.read():
+            self.seen.append(event)
+            if isinstance(event, Iteration):
+                self.cpu_at[event.iteration] = (_cpu_seconds(self.training()), _cpu_seconds(self.side))
+
+    def check(self) -> None:
+        failed = [proc.args[:4] for proc in self.serving if _failed(proc)]
+        if failed:
+            raise RunFailed(f"{self.what}: {' '.join(map(str, failed[0]))} failed before training ended")
+
+    def finish(self, deadline: float) -> None:
+        """Wait for the piped processes; RunFailed unless each exited 0."""
+        self.seen += self.follower.read()
+        try:
+            for proc in self.piped:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        codes = [proc.poll() for proc in self.piped]
+        if any(code != 0 for code in codes):
+            raise RunFailed(f"{self.what}: exit codes {codes} (None: still running after the time limit):\n"
+                            f"{''.join(self.output)[-3000:]}")
 
 
-def figures(output: str, events: list[Event], cpu_at: dict[int, tuple[float, float]], processes: int,
-            what: str) -> RunFigures:
-    """The counted iterations of a run that must have trained T=1, P=1, D=processes only."""
-    changes = [e for e in events if isinstance(e, LayoutChange)]
+def follow(runs: list[Run]) -> float:
+    """Let the runs train by turns, SLICE_S each, the others paused, until the first
+    ends; then the rest run on to their ends. Returns when the turns ended (Unix time).
+
+    Turns make slow drifts in the machine's speed hit every run alike: one run's
+    iterations are never more than a slice or two away from the other's.
+    """
+    deadline = time.monotonic() + RUN_LIMIT_S * len(runs)
+    selector = selectors.DefaultSelector()
+    for run in runs:
+        for proc in run.piped:
+            selector.register(proc.stdout.fileno(), selectors.EVENT_READ, run)
+    for run in runs[1:]:
+        run.pause()
+    turn, switch_at, turns_ended = 0, time.monotonic() + SLICE_S, None
+    while selector.get_map() and time.monotonic() < deadline:
+        for run in runs:
+            run.check()
+        if turns_ended is None and time.monotonic() >= switch_at:
+            runs[turn].pause()
+            turn = (turn + 1) % len(runs)
+            runs[turn].resume()
+            switch_at = time.monotonic() + SLICE_S
+        wait = 1.0 if turns_ended is not None else min(1.0, max(0.0, switch_at - time.monotonic()))
+        for key, _ in selector.select(timeout=wait):
+            data = os.read(key.fd, 1 << 16)
+            if data:
+                key.data.take(data)
+                continue
+            selector.unregister(key.fileobj)
+            if turns_ended is None and not any(k.data is key.data for k in selector.get_map().values()):
+                turns_ended = time.time()
+                for run in runs:
+                    run.resume()
+    for run in runs:
+        run.resume()
+        run.finish(deadline)
+    return turns_ended if turns_ended is not None else time.time()
+
+
+def figures(run: Run, turns_ended: float) -> RunFigures:
+    """The counted iterations of a run that must have trained T=1, P=1, D=processes only:
+    after WARMUP past its last layout change, ended while the runs took turns, and (for
+    wall time) not paused while they ran."""
+    output = "".join(run.output)
+    changes = [e for e in run.seen if isinstance(e, LayoutChange)]
     layouts = {(c.tp, c.pp, c.dp) for c in changes}
-    if layouts - {(1, 1, processes)}:
-        raise RunFailed(f"{what}: trained layout(s) {sorted(layouts)}, not T=1 P=1 D={processes}:\n{output[-3000:]}")
+    if layouts - {(1, 1, run.processes)}:
+        raise RunFailed(f"{run.what}: trained layout(s) {sorted(layouts)}, not T=1 P=1 D={run.processes}:\n"
+                        f"{output[-3000:]}")
     before = max((c.iteration for c in changes), default=0) + WARMUP  # the last iteration not counted
-    reported = {e.iteration: e.ms_per_iteration for e in events if isinstance(e, Iteration)}
-    counted = sorted(i for i in reported if i > before)
-    if not counted or before not in cpu_at or counted != list(range(before + 1, counted[-1] + 1)):
-        raise RunFailed(f"{what}: iterations {before} to the end not all reported:\n{output[-3000:]}")
+    reported = {e.iteration: e for e in run.seen if isinstance(e, Iteration)}
+    counted = sorted(i for i, e in reported.items() if i > before and e.time <= turns_ended)
+    if not counted or before not in run.cpu_at or counted != list(range(before + 1, counted[-1] + 1)):
+        raise RunFailed(f"{run.what}: iterations {before} to the end of the turns not all reported:\n{output[-3000:]}")
+
+    def unpaused(event: Iteration) -> bool:
+        start = event.time - event.ms_per_iteration / 1000.0 - PAUSE_MARGIN_S
+        return not any(start < resumed and paused < event.time + PAUSE_MARGIN_S for paused, resumed in run.paused)
+
+    kept = [reported[i].ms_per_iteration for i in counted if unpaused(reported[i])]
+    if not kept:
+        raise RunFailed(f"{run.what}: every counted iteration was paused in")
     last = counted[-1]
-    return RunFigures([reported[i] for i in counted], cpu_at[last][0] - cpu_at[before][0],
-                      cpu_at[last][1] - cpu_at[before][1])
+    return RunFigures(kept, len(counted), run.cpu_at[last][0] - run.cpu_at[before][0],
+                      run.cpu_at[last][1] - run.cpu_at[before][1])
 
 
 # -- the two ways to run -------------------------------------------------------------
 
 
-def run_plain(processes: int, iterations: int, events: Path) -> RunFigures:
-    what = f"plain torchrun, {processes} processes"
+def start_plain(processes: int, iterations: int, events: Path, started: list[subprocess.Popen]) -> Run:
     torchrun = _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
                        f"--nproc_per_node={processes}", "scripts/pretrain_gpt.py", *BASE,
                        "--train-iters", str(iterations), "--tensor-model-parallel-size", "1",
                        "--pipeline-model-parallel-size", "1", "--parcae-events", str(events)])
+    started.append(torchrun)
     workers: list[int] = []
 
     def training() -> list[int]:
@@ -262,11 +351,8 @@ def run_plain(processes: int, iterations: int, events: Path) -> RunFigures:
             workers[:] = _children(torchrun.pid)
         return workers
 
-    try:
-        output, events_seen, cpu_at = follow([torchrun], events, training, [torchrun.pid], what)
-    finally:
-        _stop(torchrun)
-    return figures(output, events_seen, cpu_at, processes, what)
+    return Run("plain", f"plain torchrun, {processes} processes", processes, events, [torchrun], [torchrun.pid],
+               training, [torchrun.pid])
 
 
 def write_coordinator_config(processes: int, workdir: Path) -> Path:
@@ -291,31 +377,43 @@ def write_coordinator_config(processes: int, workdir: Path) -> Path:
     return path
 
 
-def run_parcae(processes: int, iterations: int, config: Path, events: Path) -> RunFigures:
-    from megatron_parcae.control.etcd import EtcdServer
-
-    what = f"--parcae, {processes} workers"
-    server = EtcdServer().start()
+def start_parcae(processes: int, iterations: int, config: Path, events: Path, server: EtcdServer,
+                 started: list[subprocess.Popen]) -> Run:
     job = f"overhead-{processes}-{os.getpid()}-{time.monotonic_ns()}"
-    coordinator_log = config.with_suffix(".log")
+    coordinator = _start([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", server.endpoint,
+                          "--job", job, "--config", str(config)], config.with_suffix(".log"))
+    started.append(coordinator)
+    workers = []
+    for worker in range(processes):
+        workers.append(_start([sys.executable, "scripts/pretrain_gpt.py", *BASE, "--train-iters", str(iterations),
+                               "--parcae", "--parcae-etcd", server.endpoint, "--parcae-job", job,
+                               "--parcae-worker-id", str(worker), "--parcae-events", str(events), *COPIES]))
+        started.append(workers[-1])
+    pids = [w.pid for w in workers]
+    return Run("parcae", f"--parcae, {processes} workers", processes, events, workers,
+               [server.pid, coordinator.pid, *pids], lambda: pids, [server.pid, coordinator.pid], serving=(coordinator,))
+
+
+def measure_round(processes: int, iterations: int, config: Path, workdir: Path, number: int) -> dict[str, RunFigures]:
+    """One plain and one --parcae run, started together and trained by turns; the run
+    that goes first alternates with the round's number."""
+    server = EtcdServer().start()
     started: list[subprocess.Popen] = []
+    runs: list[Run] = []
     try:
-        coordinator = _start([sys.executable, "-m", "megatron_parcae.cli", "coordinator", "--etcd", server.endpoint,
-                              "--job", job, "--config", str(config)], coordinator_log)
-        started.append(coordinator)
-        workers = []
-        for worker in range(processes):
-            workers.append(_start([sys.executable, "scripts/pretrain_gpt.py", *BASE, "--train-iters", str(iterations),
-                                   "--parcae", "--parcae-etcd", server.endpoint, "--parcae-job", job,
-                                   "--parcae-worker-id", str(worker), "--parcae-events", str(events), *COPIES]))
-            started.append(workers[-1])
+        for mode in MODES if number % 2 == 0 else reversed(MODES):
+            events = workdir / f"{mode}-{processes}-{number}.events.jsonl"  # the workers of a run share it
+            runs.append(start_plain(processes, iterations, events, started) if mode == "plain"
+                        else start_parcae(processes, iterations, config, events, server, started))
         try:
-            output, events_seen, cpu_at = follow(workers, events, lambda: [w.pid for w in workers],
-                                                 [server.pid, coordinator.pid], what, serving=(coordinator,))
+            turns_ended = follow(runs)
         except RunFailed as exc:
-            raise RunFailed(f"{exc}\ncoordinator:\n{coordinator_log.read_text(errors='replace')[-2000:]}") from None
-        return figures(output, events_seen, cpu_at, processes, what)
+            log = config.with_suffix(".log")
+            raise RunFailed(f"{exc}\ncoordinator:\n{log.read_text(errors='replace')[-2000:]}") from None
+        return {run.mode: figures(run, turns_ended) for run in runs}
     finally:
+        for run in runs:
+            run.resume()  # a paused process would not act on SIGTERM
         for proc in started:
             _stop(proc)
         server.stop()
@@ -325,14 +423,13 @@ def measure(processes: int, iterations: int, rounds: int, workdir: Path) -> Comp
     config = write_coordinator_config(processes, workdir)
     result = Comparison(processes)
     for number in range(rounds):
-        for mode in MODES if number % 2 == 0 else reversed(MODES):
-            events = workdir / f"{mode}-{processes}-{number}.events.jsonl"  # the workers of a run share it
-            run = (run_plain(processes, iterations, events) if mode == "plain"
-                   else run_parcae(processes, iterations, config, events))
+        measured = measure_round(processes, iterations, config, workdir, number)
+        for mode in MODES:
+            run = measured[mode]
             result.runs[mode].append(run)
             print(f"  N={processes} round {number + 1}/{rounds} {mode:6}: median {statistics.median(run.iteration_ms):7.1f}"
-                  f" ms, CPU {(run.training_cpu_s + run.side_cpu_s) * 1000.0 / len(run.iteration_ms):7.1f} ms "
-                  f"per iteration ({len(run.iteration_ms)} counted)", flush=True)
+                  f" ms ({len(run.iteration_ms)} of {run.counted} counted iterations not paused in), CPU "
+                  f"{(run.training_cpu_s + run.side_cpu_s) * 1000.0 / run.counted:7.1f} ms per iteration", flush=True)
     return result
 
 
@@ -397,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare_tiny_datasets(REPO / "data")
     print(f"GPT-tiny ({CONFIG}), T=1 P=1 D=N, {args.iterations} iterations per run (first {WARMUP} after the plan "
-          f"not counted), {args.rounds} rounds of plain torchrun / --parcae (etcd + coordinator + N workers) "
-          f"alternated; {os.cpu_count()} CPU cores", flush=True)
+          f"not counted), {args.rounds} rounds of plain torchrun and --parcae (etcd + coordinator + N workers) "
+          f"taking turns of {SLICE_S:g} s; {os.cpu_count()} CPU cores", flush=True)
     comparisons: list[Comparison] = []
     interrupt_on_signals()  # SIGTERM stops the run's etcd, coordinator and workers as Ctrl-C does
     try:
@@ -416,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         figures_out = {
             "command": " ".join(["python -m benchmarks.parcae_overhead", *argv]),
             "config": CONFIG, "iterations": args.iterations, "warmup_iterations": WARMUP, "rounds": args.rounds,
-            "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg(), "copy_interval": args.copy_interval,
+            "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg(), "turn_seconds": SLICE_S,
+            "copy_interval": args.copy_interval,
             "bar_percent": COPIES_BAR_PERCENT if args.copy_interval else BAR_PERCENT,
             "met": met, "results": [c.to_dict() for c in comparisons],
         }
