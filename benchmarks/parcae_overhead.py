@@ -231,8 +231,8 @@ class Run:
 
     def pause(self) -> None:
         if self._paused_at is None:
+            self._paused_at = time.time()  # first: an interrupted pause is still resumed
             self._signal(signal.SIGSTOP)
-            self._paused_at = time.time()
 
     def resume(self) -> None:
         if self._paused_at is not None:
