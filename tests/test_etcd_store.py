@@ -13,12 +13,10 @@ import threading
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import ETCD_DATA_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,8 +24,7 @@ from megatron_parcae.control.etcd import (
     EtcdAuthError, EtcdClient, EtcdError, EtcdGone, EtcdServer, EtcdUnavailable)
 from megatron_parcae.control.etcd.client import KeyValue
 from megatron_parcae.control.etcd.store import EtcdStore
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import ETCD_DATA_ROOT, REPO
 
 
 def _store(client: EtcdClient, timeout: timedelta = timedelta(seconds=5)) -> EtcdStore:
