@@ -10,7 +10,7 @@ profile, one GPU per instance, the workers' default grace period; interval 60 s)
 instances: real `ParcaeAgent`s, `--agents-per-process` of them to a process sharing one
 etcd client, with no torch and no training. Each agent does what a worker's does
 (registration, lease keep-alive, the plan watch, acknowledgements; step reports from the
-layout's workers, a progress record from its rank 0 every step) and acknowledges a plan
+layout's workers, a progress record from its rank 0, sent when due) and acknowledges a plan
 at its next tick, as a worker does at its next iteration boundary. Once every instance
 has acknowledged the first plan, rounds of:
 - notice: `--batch` instances of the layout get a preemption notice (`ParcaeAgent.notify`,

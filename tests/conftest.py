@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from collective_probe import read_findings
-from helpers import ETCD_DATA_ROOT, REPO, TRAIN, losses, shared_losses, start_logged, torchrun
+from helpers import REPO, TRAIN, losses, shared_losses, start_logged, torchrun
 from slurm_cluster import slurm_cluster  # noqa: F401  # one cluster per test process, for every module
 
 # Fixtures that start processes (etcd servers, coordinators, workers, torchrun jobs): a
@@ -59,7 +59,7 @@ def etcd_server():
     """One real etcd server for the whole session."""
     from megatron_parcae.control.etcd import EtcdServer
 
-    server = EtcdServer(data_root=ETCD_DATA_ROOT).start()
+    server = EtcdServer().start()
     yield server
     server.stop()
 
@@ -78,7 +78,7 @@ def own_etcd():
     there cannot take the shared server down with it."""
     from megatron_parcae.control.etcd import EtcdClient, EtcdServer
 
-    with EtcdServer(data_root=ETCD_DATA_ROOT) as server, EtcdClient(server.endpoint, timeout=3) as client:
+    with EtcdServer() as server, EtcdClient(server.endpoint, timeout=3) as client:
         yield server, client
 
 
@@ -93,7 +93,7 @@ def auth_server():
     """etcd with authentication on (plain HTTP): user root, password right-password."""
     from megatron_parcae.control.etcd import EtcdServer, find_etcd_binary
 
-    with EtcdServer(data_root=ETCD_DATA_ROOT) as server:
+    with EtcdServer() as server:
         _enable_auth([find_etcd_binary("etcdctl"), f"--endpoints=http://{server.endpoint}"])
         yield server
 
@@ -116,8 +116,7 @@ def secure_server(tmp_path_factory):
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                  "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
     client_tls = TLSFiles(str(d / "ca.pem"), str(d / "client.pem"), str(d / "client.key"))
-    with EtcdServer(tls=TLSFiles(str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key")),
-                    data_root=ETCD_DATA_ROOT) as server:
+    with EtcdServer(tls=TLSFiles(str(d / "ca.pem"), str(d / "server.pem"), str(d / "server.key"))) as server:
         _enable_auth([find_etcd_binary("etcdctl"), f"--endpoints=https://{server.endpoint}", f"--cacert={client_tls.ca}",
                       f"--cert={client_tls.cert}", f"--key={client_tls.key}"])
         yield server, client_tls

@@ -23,11 +23,6 @@ from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationRequest, plan_migration
 
 REPO = Path(__file__).resolve().parents[1]
-# The tests' etcd servers keep their data in memory where the machine has a tmpfs: on a
-# disk, a WAL fsync can wait behind the checkpoints other tests write (a stall of over 10 s
-# let every lease of a live job expire in one CI run); a test server's data is removed at
-# its stop anyway.
-ETCD_DATA_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 TRACES = REPO / "traces"
 ANCHORS = REPO / "benchmarks" / "anchors" / "parcae"
 

@@ -12,6 +12,7 @@ import time
 import pytest
 from helpers import LEASE_S, SHAPE, envelope, new_job, python_child, wait_for
 
+from megatron_parcae.control import agent as agent_module
 from megatron_parcae.control.agent import AgentError, ParcaeAgent
 from megatron_parcae.control.etcd import JobStore
 from megatron_parcae.control.notices import Notice
@@ -142,6 +143,27 @@ def test_progress_is_written_by_the_next_boundary_outlives_the_worker_and_not_by
     agent.progress_written()
     assert agent.fenced and store.progress().iteration == 3
     assert store.members() == {} and store.progress().consumed_samples == 24  # no lease holds it
+
+
+def test_step_records_are_sent_when_due_and_the_held_one_before_a_change(job_agent, monkeypatch):
+    monkeypatch.setattr(agent_module, "PROGRESS_INTERVAL_S", 0.5)
+    agent, store = job_agent
+    assert store.publish_plan(envelope(1, [3]))
+    agent.acknowledge(1)
+    agent.record_progress(1, 8)  # the first is due
+    agent.record_progress(2, 16)  # within the interval: held
+    wait_for(lambda: store.progress() is not None, 10, "the first record")
+    assert store.progress().iteration == 1
+    agent.record_progress(3, 24, copies=1)  # names new snapshots: sent at once
+    agent.record_progress(4, 32, copies=1)  # held
+    wait_for(lambda: store.progress().iteration == 3, 10, "the record of new snapshots")
+    assert store.progress().copies == 1
+    agent.progress_written()  # before a change or a restart reads the job's progress
+    assert store.progress().iteration == 4
+    agent.record_progress(5, 40, copies=1)
+    time.sleep(0.6)
+    agent.record_progress(6, 48, copies=1)  # the interval passed: sent
+    wait_for(lambda: store.progress().iteration == 6, 10, "the record after the interval")
 
 
 def test_duplicate_worker_id_is_refused(job_agent, client):

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import threading
 import time
 import urllib.request
@@ -36,6 +37,7 @@ from megatron_parcae.control.etcd import (
 )
 from megatron_parcae.control.etcd.client import Watch
 from megatron_parcae.control.etcd.keepalive import KeepAliveStream
+from megatron_parcae.control.etcd.server import default_data_root
 from megatron_parcae.control.etcd.keys import (
     CHANGES_KEPT,
     SAVE_AND_EXIT,
@@ -47,7 +49,7 @@ from megatron_parcae.control.etcd.keys import (
     ProgressRecord,
     StepReport,
 )
-from helpers import ETCD_DATA_ROOT, LEASE_S, SHAPE, envelope, first_layout, new_job, python_child, wait_for
+from helpers import LEASE_S, SHAPE, envelope, first_layout, new_job, python_child, wait_for
 
 # -- schema through a real server -------------------------------------------------------
 
@@ -641,10 +643,10 @@ def test_keep_alive_stream_is_reopened_after_an_etcd_restart(own_etcd):
 
 @pytest.mark.slow
 def test_server_stop_removes_everything():
-    server = EtcdServer(data_root=ETCD_DATA_ROOT).start()
+    server = EtcdServer().start()
     data_dir, pid = server.data_dir, server.pid
     assert data_dir is not None and Path(data_dir).is_dir()
-    assert ETCD_DATA_ROOT is None or Path(data_dir).parent == Path(ETCD_DATA_ROOT)
+    assert Path(data_dir).parent == Path(default_data_root() or tempfile.gettempdir())
     server.stop()
     assert not Path(data_dir).exists()
     with pytest.raises(ProcessLookupError):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import ETCD_DATA_ROOT, ITERS, REPO, TRAIN, start_logged, wait_for
+from helpers import ITERS, REPO, TRAIN, start_logged, wait_for
 from megatron_parcae.control.etcd import EtcdClient, EtcdServer, JobStore
 from megatron_parcae.training.checkpointing import read_progress
 
@@ -29,7 +29,7 @@ def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path, n
     grace_s = 30
     outage_s, coordinator_outage_s = (40, 12) if noticed else (12, 12)
     iters = 1000  # training outlasts the outage: finishing first (a slow start under load) is another way out
-    server = EtcdServer(data_root=ETCD_DATA_ROOT).start()
+    server = EtcdServer().start()
     processes: list[subprocess.Popen] = []
     try:
         with EtcdClient(server.endpoint, timeout=3) as client:

@@ -24,7 +24,7 @@ from megatron_parcae.control.etcd import (
     EtcdAuthError, EtcdClient, EtcdError, EtcdGone, EtcdServer, EtcdUnavailable)
 from megatron_parcae.control.etcd.client import KeyValue
 from megatron_parcae.control.etcd.store import EtcdStore
-from helpers import ETCD_DATA_ROOT, REPO
+from helpers import REPO
 
 
 def _store(client: EtcdClient, timeout: timedelta = timedelta(seconds=5)) -> EtcdStore:
@@ -249,7 +249,7 @@ def test_a_zero_timeout_never_times_out():
 
 @pytest.mark.slow
 def test_get_waits_through_an_etcd_restart():
-    with EtcdServer(data_root=ETCD_DATA_ROOT) as server, EtcdClient(server.endpoint, timeout=1) as own:
+    with EtcdServer() as server, EtcdClient(server.endpoint, timeout=1) as own:
         store = _store(own, timeout=timedelta(seconds=30))
         got: list[bytes] = []
         reader = threading.Thread(target=lambda: got.append(store.get("k")))
@@ -374,7 +374,7 @@ def test_a_world_that_failed_to_form_leaves_group_names_as_its_peers_count_them(
 
 
 def test_etcd_gone_past_the_outage_bound_is_given_up_and_back_within_it_is_not():
-    with EtcdServer(data_root=ETCD_DATA_ROOT) as server, \
+    with EtcdServer() as server, \
             EtcdClient(server.endpoint, timeout=0.5, outage_seconds=2) as client:
         store = _store(client)
         store.set("k", b"v")

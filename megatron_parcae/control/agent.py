@@ -13,7 +13,7 @@ background threads and the loop only reads and writes in-memory state:
             ...apply plan.layout / plan.migration at this iteration boundary...
             agent.acknowledge(plan.generation)
         ...one iteration...
-        agent.record_progress(iteration, consumed_samples)  # rank 0: sent now, answered by the next
+        agent.record_progress(iteration, consumed_samples)  # rank 0: sent when due, answered by the next
         agent.report_step(iteration, seconds, consumed_samples)
     agent.stop()                           # deregisters: the member key disappears at once
 
@@ -52,6 +52,7 @@ from reconfig.layout import ModelShape
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 1.0  # step reports are averaged and published at most this often (see `report_step`)
+PROGRESS_INTERVAL_S = 1.0  # a step's progress record is sent at most this often (see `record_progress`)
 REPORTS_PER_SECOND = 200  # step reports a whole job publishes per second, at most about (see `report_step`)
 FENCED_EXIT = 3  # the exit code of a training process the job dropped (see `ParcaeAgent.fenced`)
 
@@ -218,6 +219,8 @@ class ParcaeAgent:
         self._notice: tuple[float, float, str] | None = None
         self._notice_posted = False
         self._progress_sent: tuple[ProgressRecord, StartedTxn] | None = None  # a step's record in flight
+        self._progress_held: ProgressRecord | None = None  # a step's record not sent yet (not due)
+        self._progress_last: tuple[ProgressRecord, float] | None = None  # the newest sent, and when
         self._notices = notices
         self._steps = _StepWindow()
         self._change: ChangeReport | None = None  # the newest applied change's phases, not yet published
@@ -360,25 +363,46 @@ class ParcaeAgent:
     def record_progress(self, iteration: int, consumed_samples: int, generation: int | None = None,
                         copies: int = 0) -> None:
         """Record how far training got (the running layout's rank 0, after each step, and
-        a restart, which passes its plan's `generation`: it is not acknowledged yet), and
-        the generation of the workers' newest committed snapshots (`copies`, 0: none).
+        a restart or a rollback, which passes its plan's `generation`: it is not
+        acknowledged yet), and the generation of the workers' newest committed snapshots
+        (`copies`, 0: none).
 
         Unlike the rest, this is sent from the caller's thread: a restart from a checkpoint
         counts the steps it loses from it, also when every process that trained them died.
-        A restart's record is written at once. A step's is sent at once and answered while
-        the next step trains: the next record, `progress_written()` (before a change or a
-        restart reads the job's progress) and `stop()` read the answer. Waiting for it at
-        the step's end cost the step etcd's round trip and WAL fsync (3 ms of a 400 ms
-        step on CPU), and a background thread writing it cost more, taking the GIL from
-        the step. Should every process that trained a step die in the milliseconds its
-        record is in flight, a restart counts one step fewer than it retrains. While etcd
-        does not answer, the agent thread writes the newest record once it does (the step
-        does not wait out a deadline).
+        A restart's record is written at once. A step's is sent when it names a new
+        generation or snapshots, or PROGRESS_INTERVAL_S after the last one sent, and is
+        otherwise held; `progress_written()` (before a change or a restart reads the job's
+        progress) sends the held one. Each write costs etcd a WAL sync and this process a
+        gRPC call, which steps of a fraction of a second feel on a small host. Only when
+        every process that trained the newest steps dies at once does a restart count
+        fewer steps lost (up to PROGRESS_INTERVAL_S of them) than it retrains.
+
+        A sent record is answered while the next step trains: the next record,
+        `progress_written()` and `stop()` read the answer. Waiting for it at the step's end
+        cost the step etcd's round trip and WAL sync, and a background thread writing it
+        cost more, taking the GIL from the step. While etcd does not answer, the agent
+        thread writes the newest record once it does (the step does not wait out a
+        deadline).
         """
         record = ProgressRecord(self._current if generation is None else generation, iteration, consumed_samples,
                                 time.time(), copies)
-        self.progress_written()  # one record in flight at a time, in order
-        if generation is None and self._client.unreachable_seconds == 0:
+        if generation is None and not self._progress_due(record):
+            self._progress_held = record
+            return
+        self._progress_held = None  # older, or of the past a restart or rollback went back from
+        self._send_progress(record, step=generation is None)
+
+    def _progress_due(self, record: ProgressRecord) -> bool:
+        if self._progress_last is None:
+            return True
+        last, sent_at = self._progress_last
+        return ((record.generation, record.copies) != (last.generation, last.copies)
+                or time.monotonic() - sent_at >= PROGRESS_INTERVAL_S)
+
+    def _send_progress(self, record: ProgressRecord, step: bool) -> None:
+        self._answer_progress()  # one record in flight at a time, in order
+        self._progress_last = (record, time.monotonic())
+        if step and self._client.unreachable_seconds == 0:
             with self._lock:
                 self._progress = None  # an older record the agent thread has not written yet
             try:
@@ -401,9 +425,15 @@ class ParcaeAgent:
             self._on_lease_lost()
 
     def progress_written(self) -> None:
-        """Wait for the answer to the step's record `record_progress` sent, if any: fenced
-        if this worker is no longer a member (found a step after the write); left to the
-        agent thread if etcd failed."""
+        """Send the step's record held back, if any, and wait for the answer to the one in
+        flight: fenced if this worker is no longer a member (found a step after the
+        write); left to the agent thread if etcd failed."""
+        held, self._progress_held = self._progress_held, None
+        if held is not None:
+            self._send_progress(held, step=True)
+        self._answer_progress()
+
+    def _answer_progress(self) -> None:
         sent, self._progress_sent = self._progress_sent, None
         if sent is None:
             return

@@ -26,11 +26,20 @@ from typing import Callable, Iterator, Literal, Sequence
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc  # noqa: E402
+import grpc._common  # noqa: E402
 
 from megatron_parcae.control.etcd.keepalive import KeepAliveStream  # noqa: E402
 from megatron_parcae.control.etcd.protocol import Stub, rpc  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+# gRPC's blocking waits (a stream's next message, a call's answer) wake every 0.1 s so that
+# a signal handler is not held up where a wait cannot be interrupted. CPython on Linux runs
+# handlers during a wait, and every stream a process holds (watches, keep-alives) waking
+# ten times a second takes the GIL from the training step beside it. A private setting:
+# changed only where this gRPC has it.
+if hasattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT"):
+    grpc._common.MAXIMUM_WAIT_TIMEOUT = 2.0
 
 DEFAULT_TIMEOUT_S = 5.0
 # Reconnect quickly after an etcd restart instead of gRPC's default backoff (up to 120 s);

@@ -30,11 +30,13 @@ from megatron_parcae.control.etcd.client import EtcdError, TLSFiles
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None)  # loaded before fork: the child only calls prctl before exec
 _START_ATTEMPTS = 3  # free ports are picked before etcd binds them; another process may win
-# Rank 0 writes the job's progress every step: etcd keeps every revision until compacted,
+# Rank 0 writes the job's progress every second: etcd keeps every revision until compacted,
 # so a long job's database and the server's memory would grow without end. etcd keeps the
 # newest KEPT_REVISIONS (it compacts every 5 minutes); the watches here start at the
 # current revision when (re)opened, so none asks for a compacted one.
 KEPT_REVISIONS = 10_000
+_SHM = "/dev/shm"
+_SHM_NEEDED = 512 * 2**20  # room for etcd's preallocated WAL segments and database
 
 
 class EtcdNotInstalled(EtcdError):
@@ -97,6 +99,21 @@ def _die_with_parent() -> None:
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def default_data_root() -> str | None:
+    """Where a local etcd keeps its data: in memory (/dev/shm) where there is room for
+    a few of its 64 MiB WAL segments, else the system's temporary directory (None).
+
+    The data live only as long as the server, which this process runs and removes. etcd
+    syncs its WAL on every write (rank 0's progress record, step reports): on a disk
+    that costs the host where training runs, and a sync can wait behind checkpoints
+    being written (a stall of over 10 s once let every lease of a live job expire)."""
+    try:
+        free = shutil.disk_usage(_SHM).free
+    except OSError:
+        return None
+    return _SHM if free >= _SHM_NEEDED and os.access(_SHM, os.W_OK) else None
+
+
 class EtcdServer:
     """Start with `start()` or `with EtcdServer() as server:`; `server.endpoint` is HOST:PORT.
 
@@ -105,7 +122,7 @@ class EtcdServer:
 
     The server is tied to the thread that started it (Linux parent-death signal): start
     it from the main thread, or from a thread that outlives it. Its data directory, made
-    in `data_root` (default: the system's temporary directory), is removed when it stops.
+    in `data_root` (default: `default_data_root()`), is removed when it stops.
     """
 
     def __init__(self, binary: str | None = None, tls: TLSFiles | None = None, startup_timeout: float = 10.0,
@@ -117,7 +134,7 @@ class EtcdServer:
         self.binary = binary or find_etcd_binary()
         self.tls = tls
         self.startup_timeout = startup_timeout
-        self.data_root = data_root
+        self.data_root = data_root if data_root is not None else default_data_root()
         self.data_dir: str | None = None
         self.client_port = 0
         self._peer_port = 0
