@@ -61,6 +61,7 @@ class Iteration(Event):
     tflops_per_gpu: float | None = None  # model TFLOP/s per GPU, with --log-throughput
     # Logged by the first rank of the recovering layout that trained the step: the step's
     # own rank 0 was lost before its progress record said it had logged it, so it may have.
+    # Its time is when it is logged again, after the original, if there was one.
     relogged: bool = False
 
     def repeats(self, newest_logged: int | None) -> bool:

@@ -151,7 +151,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
                     metrics.release_run()
                 runtime, consumed = hook.recover(runtime, progress.consumed_samples, exc)
                 if unlogged is not None and runtime is not None and hook.logs_again(unlogged.consumed_samples):
-                    events.report(dataclasses.replace(unlogged, relogged=True))
+                    events.report(dataclasses.replace(unlogged, relogged=True, time=time.time()))
                 unlogged = None
             if runtime is None:
                 return 0  # left the job
