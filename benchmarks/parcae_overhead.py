@@ -4,7 +4,7 @@ at most 2% on CPU).
 The same GPT-tiny training (configs/gpt-tiny.yaml, real data) runs in two ways:
 - plain: torchrun with N processes and the fixed layout T=1, P=1, D=N;
 - parcae: a local etcd, `parcae coordinator` and N workers started on their own with
-  `--parcae --parcae-etcd` (agent thread, lease, rank 0's progress record once a second, the
+  `--parcae --parcae-etcd` (agent thread, lease, rank 0's progress record up to once a second, the
   plan agreement about every half second, step reports). The coordinator's throughput
   table lists only T=1, P=1, D=N, so it places the workers in the layout of the plain run.
 

@@ -30,7 +30,7 @@ from megatron_parcae.control.etcd.client import EtcdError, TLSFiles
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None)  # loaded before fork: the child only calls prctl before exec
 _START_ATTEMPTS = 3  # free ports are picked before etcd binds them; another process may win
-# Rank 0 writes the job's progress every second: etcd keeps every revision until compacted,
+# Rank 0 writes the job's progress up to once a second: etcd keeps every revision until compacted,
 # so a long job's database and the server's memory would grow without end. etcd keeps the
 # newest KEPT_REVISIONS (it compacts every 5 minutes); the watches here start at the
 # current revision when (re)opened, so none asks for a compacted one.
