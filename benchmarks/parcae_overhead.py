@@ -340,7 +340,8 @@ def figures(run: Run, turns_ended: float) -> RunFigures:
 
 def start_plain(processes: int, iterations: int, events: Path, started: list[subprocess.Popen]) -> Run:
     torchrun = _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={processes}", "scripts/pretrain_gpt.py", *BASE,
+                       f"--nproc_per_node={processes}", "--log-dir", str(events.parent / "torchrun-logs"),
+                       "scripts/pretrain_gpt.py", *BASE,
                        "--train-iters", str(iterations), "--tensor-model-parallel-size", "1",
                        "--pipeline-model-parallel-size", "1", "--parcae-events", str(events)])
     started.append(torchrun)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -46,6 +47,22 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_tmpdir(tmp_path_factory):
+    """The temporary folders of the processes tests start go under this run's base
+    folder, which pytest removes with later runs: a process the test kills cannot
+    remove its own (wandb's and multiprocessing's, made by every training process)."""
+    folder = tmp_path_factory.getbasetemp() / "tmp"
+    folder.mkdir(exist_ok=True)
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    yield folder
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_data() -> dict[str, str]:
     """The corpus, vocabularies and indexed datasets of configs/*-tiny.yaml, built once."""
@@ -68,7 +85,9 @@ def etcd_server():
 def client(etcd_server):
     from megatron_parcae.control.etcd import EtcdClient
 
-    with EtcdClient(etcd_server.endpoint, timeout=3) as c:
+    # The test's own reads wait longer than a worker's would: at a cold start the machine
+    # may be busy importing torch in several processes for seconds.
+    with EtcdClient(etcd_server.endpoint, timeout=10) as c:
         yield c
 
 

@@ -15,6 +15,7 @@ from helpers import LEASE_S, SHAPE, envelope, new_job, python_child, wait_for
 from megatron_parcae.control import agent as agent_module
 from megatron_parcae.control.agent import AgentError, ParcaeAgent
 from megatron_parcae.control.etcd import JobStore
+from megatron_parcae.control.etcd.client import Put
 from megatron_parcae.control.notices import Notice
 
 GRACE_S = 30.0
@@ -71,8 +72,9 @@ def test_plans_are_delivered_in_order_and_acknowledged(job_agent):
 def test_malformed_plan_is_ignored_with_a_clear_error(job_agent, client):
     agent, store = job_agent
     bad = envelope(1, [3]).to_dict() | {"layout": {"tp": 1}}
-    client.put(store.keys.plan(1), json.dumps(bad).encode())
-    client.put(store.keys.generation, b"1")
+    # one write, as the coordinator publishes: a watch that starts between two writes
+    # would see neither the plan's event nor a current generation with a plan
+    client.txn([], [Put(store.keys.plan(1), json.dumps(bad).encode()), Put(store.keys.generation, b"1")])
     wait_for(lambda: agent.last_error, 10, "the agent to refuse the plan")
     assert "Layout.from_dict refused it" in agent.last_error and store.keys.plan(1) in agent.last_error
     assert agent.pending_plan() is None

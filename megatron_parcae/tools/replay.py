@@ -54,6 +54,9 @@ PREDICTION_INTERVALS = 5  # the coordinator's learned step time is checked after
 # Workers and the coordinator renew leases from background threads; on a machine running
 # more processes than it has cores those threads can stall for seconds.
 LEASE_SECONDS = 5.0
+# torchrun's per-process error files go here, in the replay's folder, not in a temporary
+# folder of torchrun's own that nobody removes.
+TORCHRUN_LOGS = "torchrun-logs"
 
 
 class ReplayError(RuntimeError):
@@ -329,6 +332,7 @@ class ParcaeJob:
         else:  # torchrun must wait out the grace period after forwarding SIGTERM
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    f"--nproc-per-node={g}", f"--shutdown-timeout={math.ceil(self.grace_seconds) + 5}",
+                   "--log-dir", str(self.workdir / TORCHRUN_LOGS),
                    self.script, *flags, "--parcae-instance", name]
         self.log.follow(events)
         self._workers[index] = _Process(cmd, self.workdir / f"{name}.log", _child_env())
@@ -392,7 +396,7 @@ class CheckpointRestartJob:
         resume = ["--load", str(self.checkpoint_dir)] if (self.checkpoint_dir / "latest_checkpointed_iteration.txt").exists() else []
         events = self.workdir / f"torchrun-{self._restarts + 1}.events.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               self.script, *self.args, "--save", str(self.checkpoint_dir), "--save-interval",
+               "--log-dir", str(self.workdir / TORCHRUN_LOGS), self.script, *self.args, "--save", str(self.checkpoint_dir), "--save-interval",
                str(self.save_interval), *resume, "--parcae-events", str(events)]
         self.log.follow(events)
         args = parse_args(self.args, prog="replay", model=self.model, world_size=world)
