@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -48,19 +47,13 @@ def pytest_collection_modifyitems(items) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def children_tmpdir(tmp_path_factory):
-    """The temporary folders of the processes tests start go under this run's base
-    folder, which pytest removes with later runs: a process the test kills cannot
-    remove its own (wandb's and multiprocessing's, made by every training process)."""
-    folder = tmp_path_factory.getbasetemp() / "tmp"
-    folder.mkdir(exist_ok=True)
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(folder)
-    yield folder
-    if before is None:
-        del os.environ["TMPDIR"]
-    else:
-        os.environ["TMPDIR"] = before
+def children_tmpdir():
+    """The processes tests start keep their temporary folders in one that is removed at
+    the end: those the tests kill cannot remove theirs."""
+    from megatron_parcae.tools.replay import children_temporary_folder
+
+    with children_temporary_folder("parcae-tests-") as folder:
+        yield folder
 
 
 @pytest.fixture(scope="session")

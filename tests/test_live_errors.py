@@ -65,11 +65,11 @@ class Finished:
 class Watched:
     """One command started now, with a thread recording every process under it."""
 
-    def __init__(self, cmd: list[str]) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
         self.cmd = cmd
         self.started: dict[int, tuple[psutil.Process, str]] = {}
         self._begin = time.monotonic()
-        self.popen = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.popen = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True)
         self._watcher = threading.Thread(target=self._watch, daemon=True)
         self._watcher.start()
@@ -302,13 +302,17 @@ def test_replay_stops_everything_when_a_worker_crashes_at_start(tmp_path):
 @pytest.mark.slow
 def test_replay_stopped_by_sigterm_leaves_no_process(tmp_path):
     # Instances of two processes: etcd, the coordinator, a torchrun and its two workers.
-    workdir = tmp_path / "replay"
+    workdir, temporary = tmp_path / "replay", tmp_path / "tmp"
+    temporary.mkdir()
     watched = Watched([*PARCAE, "replay", "--trace", str(one_instance_trace(tmp_path)), "--max-instances", "1",
                        "--gpus-per-instance", "2", "--speedup", "1", "--grace-seconds", "2", "--profile", str(PROFILE),
-                       "--workdir", str(workdir), "--", "scripts/pretrain_gpt.py", "--config", "configs/gpt-tiny.yaml"])
+                       "--workdir", str(workdir), "--", "scripts/pretrain_gpt.py", "--config", "configs/gpt-tiny.yaml"],
+                      env={**ENV, "TMPDIR": str(temporary)})
     try:
         wait_for(lambda: sum("pretrain_gpt.py" in c and "torch.distributed.run" not in c
                              for _, c in list(watched.started.values())) == 2, 60, "both workers started")
+        # the workers' temporary folders go in one of the replay's own
+        assert [p.name.startswith("parcae-replay-") for p in temporary.iterdir()] == [True]
     finally:
         watched.popen.send_signal(signal.SIGTERM)
     f = watched.wait(timeout=FAILURE_BUDGET_S)
@@ -317,6 +321,7 @@ def test_replay_stopped_by_sigterm_leaves_no_process(tmp_path):
     started = [c for _, c in f.started.values()]
     assert any(" coordinator " in c for c in started) and any("etcd" in c for c in started), started
     assert_nothing_left([f], str(workdir))
+    assert not any(temporary.iterdir()), list(temporary.rglob("*"))
 
 
 # -- 6. a profile of another model -------------------------------------------------------

@@ -31,11 +31,13 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import psutil
 
@@ -737,11 +739,30 @@ def interrupt_on_signals() -> None:
         signal.signal(sig, _interrupt)
 
 
+@contextmanager
+def children_temporary_folder(prefix: str) -> Iterator[Path]:
+    """Give the processes started inside (through os.environ) a temporary folder of their
+    own, removed on the way out: a killed process cannot remove the folders it made
+    (wandb's and multiprocessing's, which every training process makes), and a program
+    that kills its processes on purpose would otherwise leave them in /tmp."""
+    before = os.environ.get("TMPDIR")
+    with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as folder:
+        os.environ["TMPDIR"] = folder
+        try:
+            yield Path(folder)
+        finally:
+            if before is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = before
+
+
 def run(args: argparse.Namespace) -> int:
     prog = "parcae replay"
     interrupt_on_signals()
     try:
-        return _replay_and_compare(args, prog)
+        with children_temporary_folder("parcae-replay-"):
+            return _replay_and_compare(args, prog)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; every process it started is stopped", file=sys.stderr, flush=True)
         return 130
