@@ -55,11 +55,12 @@ install_slurm() {
   local log
   log=$(mktemp)
   # Two callers at once (pytest workers): one installs, the other waits and finds it done.
+  # The lock is the machine's, not in $TMPDIR, which may differ between the callers.
   if ! (
     flock 9
     have_slurm && exit 0
     "$(dirname "${BASH_SOURCE[0]}")/../apt-install.sh" "${PACKAGES[@]}"
-  ) 9>"${TMPDIR:-/tmp}/parcae-slurm-install.lock" >"$log" 2>&1; then
+  ) 9>/run/lock/parcae-slurm-install.lock >"$log" 2>&1; then
     tail -n 20 "$log" >&2
     rm -f "$log"
     unavailable "apt-get install ${PACKAGES[*]} failed"
