@@ -255,8 +255,7 @@ def uninterrupted_state(workdir: Path, flags: list[str], processes: int) -> dict
     """An uninterrupted run of the same flags on `processes` (data parallel), saved at the end."""
     fresh_workdir(workdir)
     save = workdir / "checkpoints"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-           "--log-dir", str(workdir / "torchrun-logs"), SCRIPT, *flags,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), SCRIPT, *flags,
            "--save", str(save)]
     with (workdir / "reference.log").open("w") as out:
         subprocess.run(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=RUN_LIMIT_S)

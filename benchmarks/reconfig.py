@@ -129,7 +129,8 @@ class RunFailed(RuntimeError):
 def launch(nproc: int, args: list[str], files: Path) -> subprocess.Popen:
     """Start torchrun; its output goes to `files`.log, its events to `files`.events.jsonl."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--log-dir", f"{files}.torchrun", str(REPO / "scripts" / "pretrain_gpt.py"), *args, "--parcae-events", f"{files}.events.jsonl"]
+           "--log-dir", f"{files}.torchrun", str(REPO / "scripts" / "pretrain_gpt.py"), *args,
+           "--parcae-events", f"{files}.events.jsonl"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     with open(f"{files}.log", "w") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -159,7 +159,7 @@ def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600, pro
         if probe is not None:
             command = [str(REPO / "tests" / "collective_probe.py"), str(probe), *command]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "--log-dir", str(Path(tmp) / "torchrun"), *command, *args, "--parcae-events", str(events)]
+               *command, *args, "--parcae-events", str(events)]
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         return Run(done.returncode, done.stdout, done.stderr, read_events(events) if events.exists() else [])
 

@@ -39,8 +39,7 @@ def test_sigterm_saves_exits_zero_and_the_resumed_run_continues_exactly(tiny_dat
     events = tmp_path / "events.jsonl"
     save = ["--save", str(tmp_path / "ckpt"), "--exit-signal-handler"]
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            "--log-dir", str(tmp_path / "torchrun"), str(REPO / "scripts" / "pretrain_gpt.py"),
-                            *train, *save, "--parcae-events", str(events)],
+                            str(REPO / "scripts" / "pretrain_gpt.py"), *train, *save, "--parcae-events", str(events)],
                            cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: events.exists() and any(isinstance(e, Iteration) and e.iteration >= 3

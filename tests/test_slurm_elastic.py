@@ -225,7 +225,7 @@ class Reference:
         self.save, self.log = folder / "checkpoints", folder / "reference.log"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-             "--log-dir", str(folder / "torchrun"), str(REPO / "scripts" / "pretrain_gpt.py"), *TRAIN, "--save", str(self.save)],
+             str(REPO / "scripts" / "pretrain_gpt.py"), *TRAIN, "--save", str(self.save)],
             cwd=REPO, env=child_env(), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
 
     def result(self) -> Path:

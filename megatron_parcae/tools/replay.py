@@ -398,8 +398,8 @@ class CheckpointRestartJob:
         resume = ["--load", str(self.checkpoint_dir)] if (self.checkpoint_dir / "latest_checkpointed_iteration.txt").exists() else []
         events = self.workdir / f"torchrun-{self._restarts + 1}.events.jsonl"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "--log-dir", str(self.workdir / TORCHRUN_LOGS), self.script, *self.args, "--save", str(self.checkpoint_dir), "--save-interval",
-               str(self.save_interval), *resume, "--parcae-events", str(events)]
+               "--log-dir", str(self.workdir / TORCHRUN_LOGS), self.script, *self.args, "--save", str(self.checkpoint_dir),
+               "--save-interval", str(self.save_interval), *resume, "--parcae-events", str(events)]
         self.log.follow(events)
         args = parse_args(self.args, prog="replay", model=self.model, world_size=world)
         self.log.changes.append({"at_seconds": self.log.seconds(), "iteration": self.log.saved_iteration,
