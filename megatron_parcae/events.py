@@ -196,11 +196,29 @@ class LayoutChange(Event):
 
 
 @dataclass(frozen=True)
+class ChangeRetried(Event):
+    """A layout change's transfers arrived damaged or short (`reason`): nothing received
+    was used, and the change is taken again from the state every worker kept."""
+
+    NAME = "change_retried"
+    generation: int
+    iteration: int
+    attempt: int
+    reason: str
+
+    def log_line(self) -> str:
+        return (f" layout change at iteration {self.iteration} (generation {self.generation}) taken again after "
+                f"attempt {self.attempt}: {self.reason}")
+
+
+@dataclass(frozen=True)
 class CopiesKept(Event):
-    """The first snapshot of the layout of `generation` (reconfig/copies.py), at `iteration`:
-    one is taken every `interval` steps; the reporting worker holds `mib` of host memory
-    for it (its own state and, with `has_ward`, its ward's copy; a ward that is a DP peer
-    needs none) and took `seconds`."""
+    """A snapshot of the layout of `generation` (reconfig/copies.py), at `iteration`: one
+    is taken every `interval` steps; the reporting worker's snapshot holds `mib` (its own
+    state and, with `has_ward`, its ward's copy; a ward that is a DP peer needs none) and
+    took `seconds`. `committed` is false when its copies arrived damaged every time
+    (`damaged` exchanges were taken again); `host_mib` is the host memory kept for
+    snapshots, in `allocations` blocks allocated since the worker started."""
 
     NAME = "copies_kept"
     generation: int
@@ -209,12 +227,20 @@ class CopiesKept(Event):
     mib: float
     seconds: float
     has_ward: bool
+    committed: bool = True
+    damaged: int = 0
+    host_mib: float | None = None
+    allocations: int | None = None
 
     def log_line(self) -> str:
         ward = " with a buddy copy" if self.has_ward else " (no other worker's copy to keep)"
+        damaged = f", {self.damaged} damaged exchange(s) of copies taken again" if self.damaged else ""
+        if not self.committed:
+            return (f" snapshot of generation {self.generation} at iteration {self.iteration} not kept: its copies "
+                    f"arrived damaged{damaged}")
         return (f" snapshot of generation {self.generation} at iteration {self.iteration}: {self.mib:.1f} MiB in "
                 f"host memory{ward}, "
-                f"{self.seconds * 1000.0:.0f} ms, every {self.interval} steps")
+                f"{self.seconds * 1000.0:.0f} ms, every {self.interval} steps{damaged}")
 
 
 @dataclass(frozen=True)
@@ -298,10 +324,10 @@ class NetworkMeasured(Event):
 
 
 KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in
-                                 (Iteration, Evaluation, Save, Load, LayoutChange, CopiesKept, PlanPublished,
+                                 (Iteration, Evaluation, Save, Load, LayoutChange, ChangeRetried, CopiesKept, PlanPublished,
                                   ThroughputLearned, MigrationCostLearned, NetworkMeasured)}
 _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
-TrainingEvent = Iteration | Evaluation | Save | Load | LayoutChange | CopiesKept
+TrainingEvent = Iteration | Evaluation | Save | Load | LayoutChange | ChangeRetried | CopiesKept
 
 
 # -- writing -------------------------------------------------------------------------

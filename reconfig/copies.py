@@ -13,10 +13,13 @@ its checkpoint.
 A worker's DP peers (same stage, same tensor rank) take identical snapshots, so a buddy
 that is one already holds the copy: nothing is sent to it.
 
-A snapshot is pending until every worker of the layout has confirmed its exchange, then
-committed; the older one is dropped only then. So whenever one worker has committed a
-snapshot every worker holds it (committed or pending), and otherwise every worker still
-holds the one before: the newest snapshot every holder has is the smallest of the
+Host memory per worker is its own snapshot and its ward's copy, each in a block
+allocated once per layout and reused every K steps (`planes.HostArena`), plus the
+chunk in flight (reconfig/transfer.py). Taking a snapshot therefore overwrites the
+previous one: from the moment a worker starts taking one until every worker of the layout
+has confirmed its exchange it holds none, and a worker lost in that window sends the job
+back to its checkpoint. A copy that arrives damaged is never kept: the workers take the
+exchange again together. The newest snapshot every holder has is the smallest of the
 holders' newest complete ones (`execute.migrate` agrees on it).
 """
 
@@ -28,13 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reconfig import planes
-from reconfig.execute import Counters, HeldState, MigrationError, Runtime, export_held_state, framed
+from reconfig import planes, transfer
+from reconfig.execute import Counters, HeldState, MigrationError, Runtime, export_held_state
 from reconfig.optimizer_state import STATE_KEYS, LossScale
 from reconfig.tensors import ParamShard
 from reconfig.world import World
 
 _TAG = 7_000_000  # apart from the tags of a migration's transfers
+ATTEMPTS = 3  # exchanges of one snapshot's copies before it is given up
 
 
 @dataclass
@@ -74,9 +78,11 @@ def _detached(held: HeldState) -> HeldState:
     return HeldState(shards, held.tensors, held.tp_rank, held.tp_size, held.counters)
 
 
-def _header(snapshot: Snapshot) -> tuple[bytes, torch.Tensor]:
-    """A snapshot's own state as (JSON header, flat fp32 payload) for its buddy."""
-    held, names = snapshot.own, sorted(snapshot.own.tensors)
+def _header(snapshot: Snapshot, block: torch.Tensor | None) -> tuple[bytes, torch.Tensor]:
+    """A snapshot's own state as (JSON header, flat fp32 payload) for its buddy: `block`,
+    the arena the state was exported into, where it holds the state in the header's order."""
+    held = snapshot.own
+    names = list(held.tensors)
     scale = held.counters.loss_scale
     header = {
         "generation": snapshot.generation, "iteration": snapshot.iteration, "tp_rank": held.tp_rank,
@@ -86,8 +92,23 @@ def _header(snapshot: Snapshot) -> tuple[bytes, torch.Tensor]:
         "params": [[n, list(held.tensors[n]["param"].shape), held.shards[n].partition_dim,
                     held.shards[n].partition_stride] for n in names],
     }
-    payload = torch.cat([held.tensors[n][k].reshape(-1) for n in names for k in STATE_KEYS])
+    parts = [held.tensors[n][k] for n in names for k in STATE_KEYS]
+    if block is not None and _laid_out_in(block, parts):
+        payload = block
+    else:
+        payload = torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0)
     return json.dumps(header).encode(), payload
+
+
+def _laid_out_in(block: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+    """Whether `parts` lie one after another from the start of `block`, filling it."""
+    offset = 0
+    for part in parts:
+        if part.untyped_storage().data_ptr() != block.untyped_storage().data_ptr() \
+                or part.storage_offset() != block.storage_offset() + offset or not part.is_contiguous():
+            return False
+        offset += part.numel()
+    return offset == block.numel()
 
 
 def _int(d: dict, key: str, minimum: int = 0) -> int:
@@ -133,59 +154,74 @@ def _parse(raw: bytes, payload: torch.Tensor, src: int, generation: int, iterati
 
 
 class SnapshotStore:
-    """This worker's newest committed snapshot and the one being taken (see the module
+    """This worker's newest snapshot and the memory it lives in (see the module
     docstring). It lives as long as the worker: a snapshot outlasts the layout it was
-    taken of, until a newer one is committed."""
+    taken of, until a newer one is taken."""
 
     def __init__(self) -> None:
         self.committed: Snapshot | None = None
-        self.pending: Snapshot | None = None
+        self._own = planes.HostArena()
+        self._ward = planes.HostArena()
+        self.damaged_exchanges = 0  # exchanges of copies that did not check, each taken again
 
     @property
     def generation(self) -> int:
         """The generation of the newest committed snapshot (0: none)."""
         return 0 if self.committed is None else self.committed.generation
 
+    @property
+    def allocations(self) -> int:
+        """Host blocks allocated for snapshots so far (once per layout for each of own and ward)."""
+        return self._own.allocations + self._ward.allocations
+
+    def host_bytes(self) -> int:
+        """Host memory held for snapshots."""
+        return self._own.nbytes + self._ward.nbytes
+
+    def _ward_block(self, peer: int, tag: int, elements: int) -> torch.Tensor:
+        self._ward.reset(elements)
+        return self._ward.take((elements,))
+
     def take(self, runtime: Runtime, world: World, generation: int, iteration: int, consumed_samples: int,
-             buddy: int | None, ward: int | None, peers: frozenset[int]) -> Snapshot:
+             buddy: int | None, ward: int | None, peers: frozenset[int]) -> Snapshot | None:
         """Snapshot this worker's state, swap copies with buddy and ward, and commit once
         every worker of the layout has (collective over WORLD, point to point with the
-        buddy and the ward unless they are among its DP `peers`)."""
-        own = _detached(export_held_state(runtime))
+        buddy and the ward unless they are among its DP `peers`). None: the copies
+        arrived damaged ATTEMPTS times; nothing was committed."""
+        self.committed = None  # its memory is reused now
+        own = _detached(export_held_state(runtime, self._own))
         snapshot = Snapshot(generation, iteration, consumed_samples, own, ward, own if ward in peers else None)
-        self.pending = None
         rank_of = {w: r for r, w in enumerate(world.members)}
-        sends = []
-        if buddy is not None and buddy not in peers:
-            sends = [dist.isend(m, rank_of[buddy], tag=_TAG + i) for i, m in enumerate(framed(*_header(snapshot)))]
-        if ward is not None and ward not in peers:
-            sizes = planes.control_buffer(2, torch.int64)
-            dist.recv(sizes, rank_of[ward], tag=_TAG)
-            header = planes.control_buffer(int(sizes[0]), torch.uint8)
-            payload = planes.data_buffer(int(sizes[1]), torch.float32)
-            dist.recv(header, rank_of[ward], tag=_TAG + 1)
-            if payload.numel():
-                dist.recv(payload, rank_of[ward], tag=_TAG + 2)
-            payload = planes.host_copy(payload)
-            planes.host_copies_done()
-            snapshot.ward_state = _parse(header.numpy().tobytes(), payload, ward, generation, iteration)
-        for s in sends:
-            s.wait()
-        self.pending = snapshot
+        sends = [transfer.Outgoing(rank_of[buddy], _TAG, *_header(snapshot, self._own.used()))] \
+            if buddy is not None and buddy not in peers else []
+        receives = [transfer.Incoming(rank_of[ward], _TAG)] if ward is not None and ward not in peers else []
+        for _ in range(ATTEMPTS):
+            try:
+                arrived = transfer.exchange(sends, receives, world.collective_timeout, self._ward_block,
+                                            what=f"snapshot copies of generation {generation} iteration {iteration}")
+                break
+            except transfer.TransferBroken:
+                self.damaged_exchanges += 1
+        else:
+            return None
+        if receives:
+            message = arrived.messages[rank_of[ward], _TAG]
+            snapshot.ward_state = _parse(message.header, message.payload, ward, generation, iteration)
         done = planes.control_tensor([1])
         dist.all_reduce(done)  # every worker has its ward's copy: commit
-        self.committed, self.pending = snapshot, None
+        self.committed = snapshot
         return snapshot
 
     def newest(self, generation: int) -> int:
         """The key of the newest complete snapshot of `generation` held here; -1 if none."""
-        found = [s.key for s in (self.committed, self.pending) if s is not None and s.generation == generation
-                 and (s.ward is None or s.ward_state is not None)]
-        return max(found, default=-1)
+        s = self.committed
+        if s is None or s.generation != generation or (s.ward is not None and s.ward_state is None):
+            return -1
+        return s.key
 
     def restore(self, key: int) -> tuple[HeldState, dict[int, HeldState], int]:
         """(own state, ward's state by worker, consumed samples) of the snapshot `key`."""
-        for s in (self.committed, self.pending):
-            if s is not None and s.key == key:
-                return s.own, ({} if s.ward_state is None else {s.ward: s.ward_state}), s.consumed_samples
+        s = self.committed
+        if s is not None and s.key == key:
+            return s.own, ({} if s.ward_state is None else {s.ward: s.ward_state}), s.consumed_samples
         raise MigrationError(f"no snapshot of generation {key >> 32} iteration {key & 0xFFFFFFFF} is held here")

@@ -142,25 +142,36 @@ def load_loss_scale_state(optimizer, state: LossScale | None) -> None:
                                 "hysteresis_tracker": state.hysteresis_tracker})
 
 
-def export_param_states(model_chunks, optimizer) -> list[ParamState]:
+def export_param_states(model_chunks, optimizer, into: planes.HostArena | None = None) -> list[ParamState]:
     """This rank's state of every local parameter, in host memory (a collective over DP
     with the distributed optimizer): a layout change or a save then needs no device
-    memory beyond the layout's own."""
+    memory beyond the layout's own. With `into`, the state is written there, each
+    parameter's keys one after another in STATE_KEYS order (a snapshot sends it as is)."""
     shards = _shards(model_chunks)
     by_param = {s.param: s for s in shards}
     out: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-    for opt in _optimizers(optimizer):
+    optimizers = _optimizers(optimizer)
+    if into is not None:
+        managed = [s.param.numel() for opt in optimizers if isinstance(opt, DistributedOptimizer)
+                   for s in shards if s.param in _managed(opt)]
+        plain = [main.numel() for opt in optimizers if not isinstance(opt, DistributedOptimizer)
+                 for main in _main_params(opt).values()]
+        into.reset(len(STATE_KEYS) * (sum(managed) + sum(plain)))
+    for opt in optimizers:
         if isinstance(opt, DistributedOptimizer):
             managed = _managed(opt)
-            out.update(_gather_distributed(opt, [s for s in shards if s.param in managed]))
+            out.update(_gather_distributed(opt, [s for s in shards if s.param in managed], into))
             continue
         for model_param, main in _main_params(opt).items():
             state = opt.optimizer.state.get(main, {})
-            out[model_param] = {
-                "param": planes.host_copy(main),
-                **{k: planes.host_copy(state[k]) if k in state else torch.zeros(main.shape, dtype=torch.float32)
-                   for k in STATE_KEYS[1:]},
-            }
+            out[model_param] = {"param": planes.host_copy(main, into)}
+            for k in STATE_KEYS[1:]:
+                if k in state:
+                    out[model_param][k] = planes.host_copy(state[k], into)
+                elif into is not None:
+                    out[model_param][k] = into.take(main.shape).zero_()
+                else:
+                    out[model_param][k] = torch.zeros(main.shape, dtype=torch.float32)
     planes.host_copies_done()
     return [ParamState(by_param[p], tensors) for p, tensors in out.items() if p in by_param]
 
@@ -178,7 +189,8 @@ def chunks_of(sizes: list[int], limit: int) -> list[range]:
     return out
 
 
-def _gather_distributed(opt: DistributedOptimizer, shards: list[ParamShard]) -> dict:
+def _gather_distributed(opt: DistributedOptimizer, shards: list[ParamShard],
+                        into: planes.HostArena | None = None) -> dict:
     """Every DP rank holds a flat range of each parameter's state: sum the disjoint ranges,
     a chunk of parameters at a time, into host memory."""
     sizes = [s.param.numel() for s in shards]
@@ -199,7 +211,7 @@ def _gather_distributed(opt: DistributedOptimizer, shards: list[ParamShard]) -> 
         dist.all_reduce(flat, group=ps.get_data_parallel_group())
         offset = 0
         for i in chunk:
-            out[shards[i].param] = {key: planes.host_copy(rows[k, offset: offset + sizes[i]].view(shards[i].param.shape))
+            out[shards[i].param] = {key: planes.host_copy(rows[k, offset: offset + sizes[i]].view(shards[i].param.shape), into)
                                     for k, key in enumerate(STATE_KEYS)}
             offset += sizes[i]
         planes.host_copies_done()  # before the chunk's device buffer is reused

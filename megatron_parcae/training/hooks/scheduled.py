@@ -12,10 +12,14 @@ from megatron_parcae import events
 from megatron_parcae.training import checkpointing
 from megatron_parcae.training.device import initialize_distributed
 from megatron_parcae.training.hooks.base import TorchrunHook
-from reconfig.execute import Runtime, RuntimeFactory, change_figures, hand_over, layout_args, migrate
+from reconfig.execute import (PayloadBroken, Runtime, RuntimeFactory, change_figures, hand_over, layout_args,
+                              migrate)
 from reconfig.layout import ModelShape, Parallelism
 from reconfig.schedule import ScheduledMigration, parse_layout_schedule, plan_schedule
 from reconfig.world import World
+
+
+CHANGE_ATTEMPTS = 3
 
 
 class ScheduledReconfiguration(TorchrunHook):
@@ -69,10 +73,21 @@ class ScheduledReconfiguration(TorchrunHook):
         return self._join_after(due.generation)
 
     def _run(self, migration: ScheduledMigration, runtime: Runtime | None) -> tuple[Runtime | None, int]:
+        """Apply `migration`; one whose transfers arrive damaged is taken again from the
+        state each worker kept (every worker of the WORLD learns it together)."""
         self.generation = migration.generation
         held = None if runtime is None else hand_over(runtime)
-        return migrate(migration.plan, migration.generation, self.world, held, self.build,
-                       migration.iteration * self.samples_per_iteration)
+        for attempt in range(1, CHANGE_ATTEMPTS + 1):
+            try:
+                return migrate(migration.plan, migration.generation, self.world, held, self.build,
+                               migration.iteration * self.samples_per_iteration)
+            except PayloadBroken as exc:
+                if attempt == CHANGE_ATTEMPTS:
+                    raise
+                if dist.get_rank() == 0:
+                    events.report(events.ChangeRetried(migration.generation, migration.iteration, attempt,
+                                                       str(exc).splitlines()[0][:300]))
+        raise AssertionError("unreachable")
 
     def _join_after(self, generation: int) -> tuple[Runtime | None, int]:
         for m in self.migrations:
