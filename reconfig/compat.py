@@ -109,6 +109,9 @@ PROCESS_GROUP_MAP = Reach("torch", _C10D, "_world.pg_map")
 GROUP_COUNT = Reach("torch", _C10D, "_world.group_count")
 DEFAULT_STORE = Reach("torch", _C10D, "_get_default_store")
 SET_GROUP_TIMEOUT = Reach("torch", _C10D, "_set_pg_timeout")
+# The two aborts were verified on torch 2.13 only; like every reach, each is checked at use.
+ABORT_GROUP = Reach("torch", "torch.distributed", "ProcessGroup.abort")
+DROP_ABORTED_GROUP = Reach("torch", _C10D, "_abort_process_group")
 MEGATRON_GROUP_LIST = Reach("megatron-core", _PS, "_global_process_group_list")
 PARALLEL_STATE_GLOBALS = tuple(Reach("megatron-core", _PS, name) for name in _STALE_AFTER_DESTROY)
 WRITE_RESULTS_QUEUE = Reach("megatron-core", "megatron.core.dist_checkpointing.strategies.filesystem_async",
@@ -124,7 +127,8 @@ PARAM_RANGE_MAP = Reach("megatron-core", _DISTRIB_OPTIMIZER, "DistributedOptimiz
 MAIN_PARAM_AND_STATES = Reach("megatron-core", _DISTRIB_OPTIMIZER,
                               "DistributedOptimizer._get_main_param_and_optimizer_states")
 
-REACHES = (PROCESS_GROUP_MAP, GROUP_COUNT, DEFAULT_STORE, SET_GROUP_TIMEOUT, MEGATRON_GROUP_LIST, *PARALLEL_STATE_GLOBALS,
+REACHES = (PROCESS_GROUP_MAP, GROUP_COUNT, DEFAULT_STORE, SET_GROUP_TIMEOUT, ABORT_GROUP, DROP_ABORTED_GROUP,
+           MEGATRON_GROUP_LIST, *PARALLEL_STATE_GLOBALS,
            WRITE_RESULTS_QUEUE, RNG_TRACKER, RNG_TRACKER_INITIALIZED, CUDA_RNG_STATE_GET, CUDA_RNG_STATE_SET,
            INIT_OPTIMIZER_STATES, PARAM_RANGE_MAP,
            MAIN_PARAM_AND_STATES)
@@ -142,6 +146,23 @@ def set_group_timeout(timeout, group=None) -> None:
     """Change how long `group`'s collectives (WORLD's by default) wait, on each of its
     backends (torch sets it only at creation in public)."""
     SET_GROUP_TIMEOUT.get()(timeout, group)
+
+
+def abort_group(group) -> None:
+    """Abort `group` on each of its backends, from any thread: NCCL aborts its
+    communicators, so that collectives blocked on a failed peer return with an error.
+    gloo's abort does not interrupt an operation in flight (torch 2.13); a gloo peer that
+    dies is noticed as its connections close. The group stays registered: the thread
+    that runs the collectives drops it (`drop_aborted_group`)."""
+    ABORT_GROUP.check()
+    group.abort()
+
+
+def drop_aborted_group(group=None) -> None:
+    """Abort `group` (every group, WORLD included, by default) and forget it, as
+    destroy_process_group does but without its graceful shutdown, which can hang on a
+    broken NCCL communicator."""
+    DROP_ABORTED_GROUP.get()(group)
 
 
 def reset_group_count() -> None:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_parcae.training.cpu import enable_cpu_support
+from reconfig.shared_gpu import shared_gpu
 from reconfig.world import process_group_backend
 
 # Healthy collectives that can outlast the short timeout of a live job's collectives:
@@ -19,15 +20,21 @@ SETUP_TIMEOUT = timedelta(minutes=10)
 
 
 def prepare_device() -> None:
-    """The GPU of LOCAL_RANK, or megatron-core's CPU support when there is none.
+    """The GPU of LOCAL_RANK (modulo the GPUs there are where processes share them,
+    reconfig/shared_gpu.py), or megatron-core's CPU support when there is none.
 
     On GPUs a failed or timed-out NCCL collective aborts its communicators and raises in
     the training thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) instead of ending the process
-    (torch's default), so a survivor keeps its state and recovers as on CPU; a value the
-    user set is kept."""
+    (torch's default), so a survivor keeps its state and recovers as on CPU; communicators
+    form without blocking (TORCH_NCCL_USE_COMM_NONBLOCKING), so that forming one with a
+    peer that died can be aborted and gives up after SETUP_TIMEOUT. A value the user set
+    is kept."""
     if torch.cuda.is_available():
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(SETUP_TIMEOUT.total_seconds())))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count() if shared_gpu() else local_rank)
     else:
         enable_cpu_support()
 
@@ -44,9 +51,16 @@ def initialize_distributed() -> None:
 
 
 def collective_timeout(args: argparse.Namespace) -> timedelta:
-    """How long a collective waits for a peer before the peer counts as failed: one lease
-    period in a job that `parcae coordinator` drives (a process silent that long is lost
-    anyway), megatron-core's default of 30 minutes otherwise."""
+    """How long a collective of a running layout's step waits for a peer before the peer
+    counts as failed: one lease period in a job that `parcae coordinator` drives (a
+    process silent that long is lost anyway), megatron-core's default of 30 minutes
+    otherwise. What waits longer says so (reconfig/timeouts.py)."""
     if getattr(args, "parcae_etcd", None):
         return timedelta(seconds=args.parcae_lease_seconds)
     return timedelta(minutes=30)
+
+
+def first_step_timeout(args: argparse.Namespace) -> timedelta:
+    """How long a collective of a layout's first step (and its first snapshot) waits:
+    --parcae-first-step-timeout, never less than a step's."""
+    return max(collective_timeout(args), timedelta(seconds=args.parcae_first_step_timeout))
