@@ -176,7 +176,8 @@ class ParcaeAgent:
     `can_save` and `model` go into its member record: the process writes checkpoints
     (--save), and trains that model, so the coordinator plans only layouts it fits.
     `failure_domain` too: its instance may fail with the others of that domain, so the
-    coordinator keeps its copies in another (None: not known)."""
+    coordinator keeps its copies in another (None: not known). `transformer_impl` too: the
+    coordinator puts no two implementations in one layout (None: not said)."""
 
     def __init__(
         self,
@@ -191,6 +192,7 @@ class ParcaeAgent:
         can_save: bool = False,
         model: ModelShape | None = None,
         failure_domain: str | None = None,
+        transformer_impl: str | None = None,
     ) -> None:
         if not grace_seconds >= 0 or not lease_seconds > 0:
             raise ValueError(f"grace_seconds must be >= 0 and lease_seconds > 0, got {grace_seconds}, {lease_seconds}")
@@ -201,8 +203,9 @@ class ParcaeAgent:
         self.lease_seconds = lease_seconds
         self._member = MemberRecord(worker_id, instance or default_instance(), os.getpid(), time.time(), 0,
                                     local_rank=local_rank, can_save=can_save,
-                                    model=None if model is None else model.to_dict(), failure_domain=failure_domain)
-        self._member.encode()  # refuse a bad worker id, instance or domain name now, not on a thread
+                                    model=None if model is None else model.to_dict(), failure_domain=failure_domain,
+                                    transformer_impl=transformer_impl)
+        self._member.encode()  # refuse a bad worker id, instance, domain or implementation now, not on a thread
         self._lock = threading.Lock()
         self._wake = _Doorbell()
         self._stopping = threading.Event()

@@ -43,6 +43,8 @@ Rules it keeps:
 - Only layouts the workers' model can be built in are planned: each member record says
   which model its worker trains, and a throughput table (unlike a layer profile) does
   not. While no layout of the profile can train it, the coordinator warns and waits.
+- No layout mixes transformer implementations (implementations.py): workers stating
+  another than the running layout's are left out, and a job that starts mixed is refused.
 - Prices are learnt from the job: step times from the workers' step reports (at interval
   boundaries), migration costs from the phases each in-place change took, which the new
   layout's rank 0 reports (`ChangeReport`): the cost model's phase rates are fitted on the
@@ -96,6 +98,7 @@ from megatron_parcae.control.etcd.keys import (
     NoticeRecord,
     ProfileRecord,
 )
+from megatron_parcae.control.implementations import MixedImplementations, one_implementation
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, SuddenLosses, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, MigrationCostModel, PhaseRates
 from megatron_parcae.liveput.learned import ThroughputLearner
@@ -619,7 +622,10 @@ class Coordinator:
         layout = None if envelope is None else Layout.from_dict(envelope.layout)
         saved = envelope is not None and envelope.action == SAVE_AND_EXIT
         current = None if saved else layout  # after a save-and-exit nothing runs: the next layout resumes
-        members = self._store.members()
+        members, left_out = one_implementation(self._store.members(),
+                                               frozenset() if current is None else current.workers)
+        if left_out:
+            self._warn_once(left_out)
         view = self._view(generation, current, members, now)
         boundary = self._close_intervals(view.available, now)
         if boundary and self._scalars is not None:
@@ -1099,4 +1105,7 @@ def run(args: argparse.Namespace) -> int:
             except EtcdGone as exc:
                 print(f"parcae coordinator: error: {exc}", file=sys.stderr, flush=True)
                 return 1
+            except MixedImplementations as exc:
+                print(f"parcae coordinator: error: {exc}", file=sys.stderr, flush=True)
+                return 2
     return 0

@@ -54,6 +54,7 @@ TRAIN, SAVE_AND_EXIT = "train", "save-and-exit"
 PLAN_ACTIONS = (TRAIN, SAVE_AND_EXIT)  # what a plan asks of its layout's workers (PlanEnvelope.action)
 # "restart": resumed from a checkpoint; "save-and-exit": the job stopped after a checkpoint
 DECISION_KINDS = ("start", "restart", SAVE_AND_EXIT, *MIGRATION_KINDS)
+TRANSFORMER_IMPLS = ("local", "transformer_engine")  # --transformer-impl: a job runs one of them
 
 
 _REQUIRED = object()  # the `Field.absent` of a key every record has
@@ -185,7 +186,9 @@ class MemberRecord(Record):
     (`ModelShape.to_dict()`), so that the coordinator plans only layouts it can be built in
     (a throughput table does not describe the model); None: not said (an older worker).
     `failure_domain` groups instances that may fail together (a zone, a rack, a switch), so
-    that copies are kept across domains; None: not known."""
+    that copies are kept across domains; None: not known. `transformer_impl` is its
+    --transformer-impl (one of TRANSFORMER_IMPLS), so that no layout mixes two, whose
+    parameters are named differently; None: not said (an older worker)."""
 
     worker_id: int
     instance: str  # the node it runs on: a preemption, notice or arrival concerns all of its workers
@@ -199,13 +202,15 @@ class MemberRecord(Record):
     model: dict | None = None
     failure_domain: str | None = None
     state_of: int | None = None
+    transformer_impl: str | None = None
 
     SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME,
               "generation": Field(int, 0, MAX_GENERATION), "broken": Field(int, 0, MAX_GENERATION),
               "state_kept": Field(bool), "local_rank": Field(int, 0, 1023), "can_save": Field(bool, absent=False),
               "model": Field(dict, 1, 32, nullable=True, absent=None),
               "failure_domain": Field(str, 1, 253, nullable=True, absent=None),
-              "state_of": Field(int, 0, MAX_GENERATION, nullable=True, absent=None)}
+              "state_of": Field(int, 0, MAX_GENERATION, nullable=True, absent=None),
+              "transformer_impl": Field(str, 1, 32, nullable=True, absent=None)}
 
     def check(self, where: str) -> None:
         if self.broken > self.generation:
@@ -215,6 +220,9 @@ class MemberRecord(Record):
                                      f"{self.broken}")
         if self.state_of is not None and self.state_kept != (self.state_of > 0):
             raise SchemaError(where, f"state_kept {str(self.state_kept).lower()} with state_of {self.state_of}")
+        if self.transformer_impl is not None and self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise SchemaError(f"{where}.transformer_impl",
+                              f"{self.transformer_impl!r} is not one of {', '.join(TRANSFORMER_IMPLS)}")
         self.shape(where)
 
     def kept_state_of(self) -> int:
