@@ -80,8 +80,10 @@ def test_profile_table_reads_parcae_table():
 
 @pytest.mark.parametrize("text, message", [
     ("data_parallel,pipeline_stages,iteration_ms\n1,2,3\n", "lacks column(s) samples_per_s"),
-    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,two,3,4\n", ":2: expected integers"),
-    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,2,3,-4\n", ":2: sizes must be"),
+    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,two,3,4\n",
+     ":2: column pipeline_stages: expected a positive integer, got 'two'"),
+    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,2,abc,4\n", ":2: column iteration_ms: expected a positive"),
+    ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,2,3,-4\n", ":2: column samples_per_s: expected"),
     ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,2,3,4\n1,2,3,5\n", ":3: configuration"),
     ("data_parallel,pipeline_stages,iteration_ms,samples_per_s\n1,2,3\n", ":2: 3 fields"),
     ("# only a comment\n", "no configurations"),

@@ -2,7 +2,9 @@
 
 It only reads: generation and layout (the newest plan), members and their role in the
 layout, preemption notices, the coordinator leading, its last forecast and its last
-published decisions. Everything read is validated like any payload from etcd.
+published decisions. Everything read is validated like any payload from etcd. A job with
+no key at all is an error, not an empty report: a misspelt --job would look like a job
+that has not started.
 """
 
 from __future__ import annotations
@@ -16,6 +18,25 @@ from typing import Any
 from megatron_parcae.control.etcd.options import add_etcd_arguments, connect
 from megatron_parcae.control.etcd import EtcdError, JobStore, SchemaError
 from reconfig.layout import Layout
+
+
+JOBS_PREFIX = "/parcae/"  # every job's keys live under /parcae/<job>/ (etcd/keys.py)
+JOBS_LISTED = 10  # known jobs named in the error for a job without records
+
+
+class UnknownJob(LookupError):
+    """The job has no records in etcd: most likely a misspelt --job."""
+
+
+def check_known(store: JobStore) -> None:
+    """Raises UnknownJob, naming the jobs etcd does hold, if the job has no key at all."""
+    client = store.client
+    if client.keys_with_prefix(store.keys.prefix):
+        return
+    jobs = sorted({key[len(JOBS_PREFIX):].split("/", 1)[0] for key in client.keys_with_prefix(JOBS_PREFIX)})
+    known = ", ".join(jobs[:JOBS_LISTED]) + (f" and {len(jobs) - JOBS_LISTED} more" if len(jobs) > JOBS_LISTED else "")
+    raise UnknownJob(f"job {store.keys.job!r} has no records in etcd; "
+                     + (f"known jobs: {known}" if jobs else "etcd holds no jobs"))
 
 
 def collect(store: JobStore) -> dict[str, Any]:
@@ -102,7 +123,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     with client:
         try:
-            status = collect(JobStore(client, args.job))
+            store = JobStore(client, args.job)
+            check_known(store)
+            status = collect(store)
+        except UnknownJob as exc:
+            print(f"parcae status: error: {exc}", file=sys.stderr)
+            return 2
         except (EtcdError, SchemaError) as exc:
             print(f"parcae status: error: {exc}", file=sys.stderr)
             return 1

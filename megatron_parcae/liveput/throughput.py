@@ -181,14 +181,10 @@ class ProfileTable(ThroughputModel):
             if len(fields) != len(header):
                 raise ProfileError(f"{where}: {len(fields)} fields, the header has {len(header)}")
             row = dict(zip(header, fields))
-            try:
-                dp, pp = int(row["data_parallel"]), int(row["pipeline_stages"])
-                tp = int(row.get("tensor_parallel", "1"))
-                rate = float(row["samples_per_s"])
-            except ValueError:
-                raise ProfileError(f"{where}: expected integers for the sizes and a number for samples_per_s") from None
-            if min(dp, pp, tp) < 1 or not (math.isfinite(rate) and rate > 0):
-                raise ProfileError(f"{where}: sizes must be >= 1 and samples_per_s a positive number")
+            dp, pp = _csv_size(where, row, "data_parallel"), _csv_size(where, row, "pipeline_stages")
+            tp = _csv_size(where, row, "tensor_parallel") if "tensor_parallel" in row else 1
+            _csv_number(where, row, "iteration_ms")
+            rate = _csv_number(where, row, "samples_per_s")
             if (tp, pp, dp) in rows:
                 raise ProfileError(f"{where}: configuration T={tp} P={pp} D={dp} appears twice")
             rows[(tp, pp, dp)] = rate
@@ -205,6 +201,28 @@ class ProfileTable(ThroughputModel):
 
     def samples_per_second(self, layout: Parallelism) -> float:
         return self._rows.get(layout, 0.0)
+
+
+def _csv_size(where: str, row: dict[str, str], column: str) -> int:
+    """A parallel size of a table row; the error names the file, line and column."""
+    try:
+        value = int(row[column])
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ProfileError(f"{where}: column {column}: expected a positive integer, got {row[column]!r}")
+    return value
+
+
+def _csv_number(where: str, row: dict[str, str], column: str) -> float:
+    """A measured figure of a table row, positive and finite; the error as `_csv_size`'s."""
+    try:
+        value = float(row[column])
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ProfileError(f"{where}: column {column}: expected a positive number, got {row[column]!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch loads with the checkpoints, after the arguments are checked
+    import torch
 
 TOLERANCE = 1e-5
 
@@ -85,13 +87,25 @@ def load_state(root: str | Path, flags: list[str], model: str) -> dict[str, dict
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", type=Path, required=True, help="a --save folder (its newest checkpoint is read)")
     parser.add_argument("--reference", type=Path, required=True, help="the --save folder to compare against")
-    parser.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    parser.add_argument("--model", choices=("gpt", "bert"), default="gpt", help="the model the training flags build")
     parser.add_argument("--tolerance", type=float, default=TOLERANCE,
                         help=f"largest relative difference of the parameters allowed (default {TOLERANCE:g})")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the training flags of the runs")
 
 
+def missing_folder(args: argparse.Namespace) -> str | None:
+    """The first of --checkpoint, --reference that is not a folder, said as an error."""
+    for flag, path in (("--checkpoint", args.checkpoint), ("--reference", args.reference)):
+        if not path.is_dir():
+            return f"{flag} {path}: {'not a folder' if path.exists() else 'no such folder'}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = missing_folder(args)  # before megatron-core and torch load: seconds
+    if problem is not None:
+        print(f"parcae compare: error: {problem}", file=sys.stderr)
+        return 2
     from megatron_parcae.training.arguments import ArgumentError
     from megatron_parcae.training.checkpointing import CheckpointError
 

@@ -7,7 +7,9 @@ rebalance recommendation (AWS) is printed the same way with action "rebalance" a
 deadline, the time AWS issued it: it is a hint of elevated risk, not a notice. A watcher
 hears one notice; `--once` exits 0 after it, otherwise the command waits until it is
 interrupted. Ctrl-C exits 130, SIGTERM 0. Exits 1 when `auto` finds no metadata service
-(only signals can give notice there), 2 for bad arguments.
+(only signals can give notice there) or a named one does not answer within PROBE_SECONDS
+(a metadata service answers in milliseconds: a wrong --endpoint must not wait forever),
+2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 import threading
 import time
 
-from megatron_parcae.control.notices import WATCHERS, Notice, build_watcher
+from megatron_parcae.control.notices import PROBE_SECONDS, WATCHERS, Notice, NoticeWatcher, build_watcher
 
 
 class _Terminated(Exception):
@@ -58,6 +60,17 @@ def _line(notice: Notice, as_json: bool) -> str:
     return f"{notice.source} {notice.action}, deadline {when} (in {notice.deadline - time.time():.0f} s)"
 
 
+def _answers(watcher: NoticeWatcher) -> bool:
+    """Whether the service answers within PROBE_SECONDS; a probe still hanging then (a DNS
+    lookup) is left to end on its daemon thread."""
+    answered = threading.Event()
+    probe = threading.Thread(target=lambda: watcher.answers(PROBE_SECONDS) and answered.set(),
+                             name=f"notice-probe-{watcher.source}", daemon=True)
+    probe.start()
+    probe.join(PROBE_SECONDS)
+    return answered.is_set()
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
     raise _Terminated
 
@@ -76,8 +89,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"parcae notice-watch: error: {exc}", file=sys.stderr)
             return 2
         if watcher is None:
-            print("parcae notice-watch: error: no metadata service (AWS, GCP, Azure) answered here; "
+            where = "here" if args.endpoint is None else f"at {args.endpoint}"
+            print(f"parcae notice-watch: error: no metadata service (AWS, GCP, Azure) answered {where}; "
                   "only signals can give notice", file=sys.stderr)
+            return 1
+        if args.source != "auto" and not _answers(watcher):  # auto's choice has just answered
+            print(f"parcae notice-watch: error: the {watcher.source} metadata service at {watcher.endpoint.url} "
+                  f"did not answer (refused, or silent for {PROBE_SECONDS:g} s)", file=sys.stderr)
             return 1
 
         noticed = threading.Event()

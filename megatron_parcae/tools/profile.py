@@ -51,7 +51,7 @@ DEFAULT_LINK_BYTES_PER_SECOND = 1.25e9  # 10 Gb/s, the network of Parcae's p3.2x
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, help="profile JSON to write")
-    parser.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    parser.add_argument("--model", choices=("gpt", "bert"), default="gpt", help="the model the flags after -- build")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per unit (after one warm-up)")
     parser.add_argument("--analytic", action="store_true",
                         help="build no model: compute the figures from the model's shape and this device's "

@@ -341,7 +341,7 @@ def ended(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True, help="submit or cancel a job")
     p = actions.add_parser("submit", help="submit the control job and the worker array",
                            description="Submit an elastic job: a control job (etcd, coordinator) on "
                                        "--control-partition and a job array of --instances one-node elements on "
@@ -377,7 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = actions.add_parser("cancel", help="cancel the worker array, then the control job",
                            description="Cancel an elastic job: its worker array, then (once the elements have "
                                        "ended) its control job.")
-    p.add_argument("--job-name", required=True)
+    p.add_argument("--job-name", required=True, help="the --job-name it was submitted with")
 
     p = actions.add_parser("ended", help="exit 0 if the job's training has ended (for control.sbatch)")
     add_etcd_arguments(p)

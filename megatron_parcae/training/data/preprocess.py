@@ -98,15 +98,15 @@ def preprocess(input_path: str, output_prefix: str, tokenizer: Tokenizer, json_k
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, help="JSONL (one object per line) or plain text file")
-    parser.add_argument("--json-keys", nargs="+", default=["text"])
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL keys whose text is tokenized, one dataset each")
     parser.add_argument("--split-sentences", action="store_true", help="one item per sentence (BERT)")
     parser.add_argument("--append-eod", action="store_true", help="end each document with the EOD token (GPT)")
-    parser.add_argument("--tokenizer-type", choices=TOKENIZERS, required=True)
-    parser.add_argument("--vocab-file", required=True)
-    parser.add_argument("--merge-file", default=None)
+    parser.add_argument("--tokenizer-type", choices=TOKENIZERS, required=True, help="tokenizer, as in the training flags")
+    parser.add_argument("--vocab-file", required=True, help="the tokenizer's vocabulary (written with --train-vocab-size)")
+    parser.add_argument("--merge-file", default=None, help="BPE merges, which GPT2BPETokenizer needs")
     parser.add_argument("--train-vocab-size", type=int, default=None,
                         help="train the vocab (and merge) file on --input first, with this many tokens")
-    parser.add_argument("--output-prefix", required=True)
+    parser.add_argument("--output-prefix", required=True, help="path prefix of the .bin/.idx files written")
 
 
 def run(args: argparse.Namespace) -> int:
