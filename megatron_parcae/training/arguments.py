@@ -23,6 +23,24 @@ from megatron_parcae.training.data.blend import parse_blend, parse_split
 from reconfig.layout import ModelShape, Parallelism, partition_layers
 
 TOKENIZERS = ("GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase")
+# What training also takes: ids as they are (Megatron-LM's NullTokenizer), or a tokenizer
+# transformers saved in a local folder.
+TRAINING_TOKENIZERS = (*TOKENIZERS, "NullTokenizer", "HuggingFaceTokenizer")
+# Megatron-LM flags for features this project does not have, each with the value that
+# means the feature is off and the reason: parsed, so that using one fails naming it and
+# why, instead of as an unrecognized argument. (dest, accepted value, reason)
+UNSUPPORTED = (
+    ("num_experts", None, "mixture-of-experts layers are not supported (layout changes move dense layers only)"),
+    ("expert_model_parallel_size", 1, "expert parallelism needs mixture-of-experts layers, which are not supported"),
+    ("context_parallel_size", 1, "context parallelism is not supported: a layout is tensor x pipeline x data "
+                                 "parallel"),
+    ("fp8_format", None, "FP8 training is not supported: use --bf16 or --fp16"),
+    ("virtual_pipeline_model_parallel_size", None, "the interleaved pipeline schedule is not supported"),
+    ("num_layers_per_virtual_pipeline_stage", None, "the interleaved pipeline schedule is not supported"),
+    ("rampup_batch_size", None, "batch-size ramp-up is not supported: every step trains --global-batch-size "
+                                "samples, which is what lets a job change layout between any two steps"),
+)
+CKPT_FORMAT = "torch_dist"  # megatron-core's sharded format, the one checkpointing.py writes and reads
 # What ModelShape.problems checks, by the flags that set it.
 _FLAG_NAMES = {
     "num_attention_heads": "--num-attention-heads", "ffn_hidden_size": "--ffn-hidden-size",
@@ -43,27 +61,54 @@ class _OneLineParser(argparse.ArgumentParser):
         raise ArgumentError(message)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help followed by "(required)" or its default, unless the help already
+    says what happens without the flag (an unset flag's default is None or False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required:
+            return f"{text} (required)"
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, required=True)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted for Megatron-LM launch lines; the models are always megatron-core's")
+    g.add_argument("--num-layers", type=int, required=True, help="transformer layers")
+    g.add_argument("--hidden-size", type=int, required=True, help="width of the residual stream")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default: 4 x --hidden-size)")
+    g.add_argument("--num-attention-heads", type=int, required=True, help="attention heads per layer")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="width of each head's query, key and value projections "
+                        "(default: --hidden-size / --num-attention-heads)")
+    g.add_argument("--seq-length", type=int, required=True, help="tokens per sample")
+    g.add_argument("--max-position-embeddings", type=int, required=True,
+                   help="longest sequence the position embeddings cover (at least --seq-length)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x lcm(T, 8), the same model under every T "
+                        "in 1, 2, 4, 8")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="standard deviation of the initial weights")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="dropout after attention and after the MLP")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="dropout on the attention probabilities")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases in the attention and MLP linear layers")
     g.add_argument("--bert-no-binary-head", action="store_true", help="BERT without next-sentence head")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute",
+                   help="learned absolute position embeddings, or rotary (RoPE)")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="with rope: share of each head's dimensions rotated")
     g.add_argument("--rotary-base", type=int, default=10000, help="with rope: base of the rotary frequencies")
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm",
+                   help="the layers' normalization")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate, vocab-parallel output layer instead of the word embedding")
     g.add_argument("--swiglu", action="store_true", help="gated SiLU MLP (its fc1 holds [gate; up] per TP shard)")
-    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="query heads share --num-query-groups key/value heads")
     g.add_argument("--num-query-groups", type=int, default=1,
                    help="with --group-query-attention: key/value heads; every T used must divide it")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
@@ -73,13 +118,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="with --recompute-method: layers per recomputed unit (uniform) or per stage (block)")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
-                   help="default: transformer_engine on a GPU where Transformer Engine is installed, else local")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+                   help="default: local; transformer_engine (a GPU and Transformer Engine) only when asked: its "
+                        "layers have not been taken through in-place changes, snapshots or recoveries, and every "
+                        "worker of a job must run the same one")
+    g.add_argument("--no-masked-softmax-fusion", action="store_true",
+                   help="do not use Megatron's fused scaled-masked-softmax kernel (otherwise used on GPUs where "
+                        "it is installed)")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="FlashAttention, from Transformer Engine: needs --transformer-impl transformer_engine "
+                        "and the flash-attn package")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 model, fp32 main weights in the optimizer")
+    g.add_argument("--fp16", action="store_true", help="float16 model with loss scaling, fp32 main weights")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="fp16: a constant loss scale (default: dynamic, from --initial-loss-scale)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="fp16: the dynamic loss scale's start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the dynamic loss scale's floor")
     g.add_argument("--loss-scale-window", type=int, default=1000,
                    help="fp16: steps without overflow before the dynamic scale doubles")
     g.add_argument("--hysteresis", type=int, default=2,
@@ -88,11 +141,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="T: ranks that split each layer")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="P: pipeline stages")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="layers of the first pipeline stage, the other stages even (default: all even)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage, the other stages even (default: all even)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard Adam's state (and fp32 main weights) over the data-parallel ranks")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="torch.distributed backend of the model's collectives: nccl on GPUs, gloo on CPU, the "
+                        "only one megatron-core works with on each (default: the device's; small control "
+                        "messages always go over gloo)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split layernorm and dropout activations over the TP group; on for T > 1, off at T = 1, "
                         "following T through layout changes")
@@ -129,6 +189,10 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-lease-seconds", type=float, default=10.0, metavar="SECONDS",
                    help="with --parcae-etcd: a process silent this long counts as lost, and a collective "
                         "waiting this long for a peer fails (default 10; above the longest wait within a step)")
+    g.add_argument("--parcae-first-step-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="with --parcae-etcd: how long a collective of a layout's first step (kernels compile, "
+                        "communicators form, the first snapshot pins host memory) waits for a peer; a peer that "
+                        "dies meanwhile is still noticed within --parcae-lease-seconds (default 600)")
     g.add_argument("--parcae-copy-interval", type=int, default=10, metavar="STEPS",
                    help="with --parcae-etcd: every this many steps, and after each layout change, each worker "
                         "snapshots its state in host memory and sends a copy to a worker on another instance (none "
@@ -143,21 +207,33 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, required=True)
-    g.add_argument("--train-iters", type=int, required=True)
-    g.add_argument("--lr", type=float, required=True)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"), default="linear")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--micro-batch-size", type=int, required=True, help="samples per forward and backward pass")
+    g.add_argument("--global-batch-size", type=int, required=True,
+                   help="samples per optimizer step, over all data-parallel ranks")
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="optimizer steps to train (this or --train-samples is required)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="samples to train: --train-samples / --global-batch-size steps, rounded down; the "
+                        "learning-rate schedule then counts samples (--lr-warmup-samples, --lr-decay-samples)")
+    g.add_argument("--lr", type=float, required=True, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"), default="linear",
+                   help="shape of the decay from --lr to --min-lr")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="steps of linear warmup from 0 to --lr")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as this fraction of the decay period, instead of --lr-warmup-iters or "
+                        "--lr-warmup-samples")
+    g.add_argument("--lr-warmup-samples", type=int, default=None, help="with --train-samples: samples of warmup")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="steps of the decay (default: --train-iters)")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: samples of the decay (default: --train-samples)")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="Adam's decoupled weight decay")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's first-moment decay")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam's second-moment decay")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    g.add_argument("--seed", type=int, default=1234, help="seed of the initial weights, the data order and dropout")
+    g.add_argument("--log-interval", type=int, default=100, help="print a training line every this many steps")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, with --save) once the iteration is a multiple of this")
 
@@ -173,11 +249,20 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    help="compute the validation loss every this many iterations (default: never)")
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches of the validation split each evaluation reads (0: no evaluation)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZERS, default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="with --mock-data only")
-    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", choices=TRAINING_TOKENIZERS, default=None,
+                   help="GPT-2 BPE or BERT WordPiece from --vocab-file (and --merge-file); NullTokenizer: token "
+                        "ids as they are, --vocab-size of them plus the end-of-document id; HuggingFaceTokenizer: "
+                        "the local folder --tokenizer-model (needs transformers)")
+    g.add_argument("--tokenizer-model", default=None, metavar="DIR",
+                   help="with HuggingFaceTokenizer: a folder a tokenizer was saved to (save_pretrained); "
+                        "nothing is downloaded")
+    g.add_argument("--vocab-file", default=None, help="the tokenizer's vocabulary (GPT-2 vocab.json, BERT vocab.txt)")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: its merges file")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="with --mock-data and no tokenizer: the vocabulary; with NullTokenizer: the ids below "
+                        "its end-of-document id")
+    g.add_argument("--data-cache-path", default=None,
+                   help="folder for megatron-core's dataset index caches (default: beside the data)")
 
 
 def _add_logging_args(p: argparse.ArgumentParser) -> None:
@@ -199,23 +284,50 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
+    g.add_argument("--save", default=None, help="folder to write checkpoints to, one iter_NNNNNNN/ each")
     g.add_argument("--load", default=None,
                    help="a save folder (its newest checkpoint) or one checkpoint folder, e.g. one a plain "
                         "megatron-core model wrote with dist_checkpointing.save(model.sharded_state_dict(), DIR)")
     g.add_argument("--finetune", action="store_true",
                    help="load only the model's weights from --load: Adam starts afresh at iteration 0")
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="with --save: save every this many steps (and at the end)")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="load the weights, iteration and consumed samples from --load, not the optimizer: Adam "
+                        "and the learning-rate schedule start afresh")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="accepted: checkpoints hold no random state (each step seeds from --seed and its "
+                        "iteration)")
+    g.add_argument("--ckpt-format", default=CKPT_FORMAT,
+                   help="checkpoint format: torch_dist (megatron-core's sharded format) only")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints from a forked process while training goes on; a checkpoint becomes "
                         "the newest once every rank has written it")
 
 
+def _add_unsupported_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("not supported", "Megatron-LM flags refused unless they leave their feature off "
+                                              "(docs/megatron-lm-flags.md)")
+    reasons = {dest: reason for dest, _, reason in UNSUPPORTED}
+    g.add_argument("--num-experts", type=int, default=None, help=reasons["num_experts"])
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help=f"1 only: {reasons['expert_model_parallel_size']}")
+    g.add_argument("--context-parallel-size", type=int, default=1, help=f"1 only: {reasons['context_parallel_size']}")
+    g.add_argument("--fp8-format", default=None, help=reasons["fp8_format"])
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help=reasons["virtual_pipeline_model_parallel_size"])
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help=reasons["num_layers_per_virtual_pipeline_stage"])
+    g.add_argument("--rampup-batch-size", nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help=reasons["rampup_batch_size"])
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=prog, description="megatron-core pretraining with megatron-parcae")
+    parser = _OneLineParser(prog=prog, description="megatron-core pretraining with megatron-parcae",
+                            formatter_class=_HelpFormatter)
     parser.add_argument("--config", default=None, help="YAML file whose keys are these flags' names")
     for add in (_add_model_args, _add_parallel_args, _add_training_args, _add_data_args, _add_checkpoint_args,
-                _add_logging_args, _add_parcae_args):
+                _add_logging_args, _add_parcae_args, _add_unsupported_args):
         add(parser)
     return parser
 
@@ -315,6 +427,8 @@ def _check(cond: bool, message: str) -> None:
 
 def validate(args: argparse.Namespace, world_size: int) -> None:
     """Check the flags against each other and the world size; fill derived values."""
+    _refuse_unsupported(args)
+    _resolve_train_length(args)
     T, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "global_batch_size", "train_iters", "tensor_model_parallel_size",
@@ -365,6 +479,12 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     _check(args.min_lr <= args.lr, f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        _check(0 <= args.lr_warmup_fraction < 1,
+               f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+        _check(args.lr_warmup_iters == 0 and args.lr_warmup_samples is None,
+               "--lr-warmup-fraction excludes --lr-warmup-iters and --lr-warmup-samples")
+        args.lr_warmup_iters = args.lr_warmup_fraction * args.lr_decay_iters
     _check(args.lr_warmup_iters < args.lr_decay_iters,
            f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters}"
            " (which defaults to --train-iters)")
@@ -380,13 +500,88 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
         _check(folder.is_dir(), f"--parcae-events: no directory {folder}")
     _validate_data(args)
     _validate_logging(args)
+    _check(not args.parcae or args.parcae_etcd is not None or args.parcae_layout_schedule is not None,
+           "--parcae needs --parcae-etcd (a job that `parcae coordinator` drives) or --parcae-layout-schedule")
+    _check(args.parcae_job is None or args.parcae_etcd is not None, "--parcae-job needs --parcae-etcd")
+    _check(not (args.no_load_optim and args.parcae_etcd is not None and args.load is not None
+                and args.load == args.save),
+           "--no-load-optim with --parcae-etcd needs --load other than --save: the job goes back to its own "
+           "checkpoints after a failure, optimizer included")
     _resolve_transformer_impl(args)
+    if args.use_flash_attn:
+        _check(args.transformer_impl == "transformer_engine",
+               "--use-flash-attn: FlashAttention comes from Transformer Engine; add --transformer-impl "
+               "transformer_engine (a GPU with Transformer Engine), or leave the flag out")
+        _check(any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface")),
+               "--use-flash-attn: the flash-attn package is not installed (pip install flash-attn)")
+    _check_distributed_backend(args)
     if args.parcae_layout_schedule is not None:
         _check_layout_schedule(args, total_workers, shape, initial)
 
 
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """One line naming the first flag of UNSUPPORTED that turns its feature on, and why."""
+    for dest, accepted, reason in UNSUPPORTED:
+        value = getattr(args, dest)
+        if value != accepted:
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            raise ArgumentError(f"--{dest.replace('_', '-')} {shown}: {reason}")
+    _check(args.ckpt_format == CKPT_FORMAT,
+           f"--ckpt-format {args.ckpt_format}: checkpoints are megatron-core's sharded {CKPT_FORMAT} format "
+           f"(loadable under any layout) only; use --ckpt-format {CKPT_FORMAT}")
+
+
+def _resolve_train_length(args: argparse.Namespace) -> None:
+    """--train-iters, or Megatron-LM's --train-samples: whole global batches of them, with
+    the learning-rate schedule counted in samples. A schedule length given in samples
+    becomes steps that may be fractional, so that the scheduler, which counts samples
+    (steps x --global-batch-size), warms up and decays over exactly those samples."""
+    samples_flags = ("lr_warmup_samples", "lr_decay_samples")
+    if args.train_samples is None:
+        _check(args.train_iters is not None, "--train-iters or --train-samples is required")
+        for flag in samples_flags:
+            _check(getattr(args, flag) is None, f"--{flag.replace('_', '-')} needs --train-samples")
+        return
+    _check(args.train_iters is None, "--train-iters and --train-samples exclude each other")
+    G = args.global_batch_size
+    _check(G > 0, f"--global-batch-size must be positive, got {G}")
+    _check(args.train_samples >= G,
+           f"--train-samples {args.train_samples} is less than one --global-batch-size {G}")
+    _check(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
+           "with --train-samples the schedule is in samples: --lr-decay-samples and --lr-warmup-samples, not "
+           "--lr-decay-iters and --lr-warmup-iters")
+    for flag in samples_flags:
+        value = getattr(args, flag)
+        _check(value is None or value >= 0, f"--{flag.replace('_', '-')} must be >= 0, got {value}")
+    args.train_iters = args.train_samples // G
+    decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+    _check(decay > 0, "--lr-decay-samples must be positive")
+    args.lr_decay_iters = decay / G
+    if args.lr_warmup_samples is not None:
+        args.lr_warmup_iters = args.lr_warmup_samples / G
+
+
+def _check_distributed_backend(args: argparse.Namespace) -> None:
+    """Megatron-LM's --distributed-backend, where it names the one backend megatron-core's
+    collectives work with on this device. torch is imported (seconds) only when it is given."""
+    if args.distributed_backend is None:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        _check(args.distributed_backend == "nccl",
+               "--distributed-backend gloo: megatron-core's collectives on GPU tensors need nccl")
+    else:
+        _check(args.distributed_backend == "gloo",
+               "--distributed-backend nccl: this machine has no GPU; gloo is the backend on CPU")
+
+
 def _validate_model_flags(args: argparse.Namespace) -> None:
     """Megatron-LM's constraints on its model and memory flags."""
+    if args.kv_channels is not None:
+        _check(args.kv_channels > 0, f"--kv-channels must be positive, got {args.kv_channels}")
+        if args.kv_channels == args.hidden_size // args.num_attention_heads:
+            args.kv_channels = None  # the default, so checkpoints record one model one way
     _check(0 < args.rotary_percent <= 1, f"--rotary-percent must be in (0, 1], got {args.rotary_percent}")
     _check(args.rotary_base > 0, f"--rotary-base must be positive, got {args.rotary_base}")
     if args.group_query_attention:
@@ -459,6 +654,8 @@ def _check_live_job(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--parcae-metadata-endpoint: {exc}") from None
     _check(args.parcae_grace_seconds >= 0, f"--parcae-grace-seconds must be >= 0, got {args.parcae_grace_seconds}")
     _check(args.parcae_lease_seconds > 0, f"--parcae-lease-seconds must be positive, got {args.parcae_lease_seconds}")
+    _check(args.parcae_first_step_timeout > 0,
+           f"--parcae-first-step-timeout must be positive, got {args.parcae_first_step_timeout}")
     _check(args.parcae_copy_interval >= 0, f"--parcae-copy-interval must be >= 0, got {args.parcae_copy_interval}")
     try:
         check_etcd_arguments(args, prefix="parcae-")
@@ -505,22 +702,20 @@ def stage_layers(num_layers: int, pipeline: int, first: int | None, last: int | 
 
 
 def _resolve_transformer_impl(args: argparse.Namespace) -> None:
-    """Megatron-LM's choice of layer implementation, where what it needs is installed.
-    torch is imported (seconds) only where Transformer Engine is: without it the answer is
-    local whatever the device, and `parcae replay` parses flags without paying for torch."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        _check(args.transformer_impl != "transformer_engine",
-               "--transformer-impl transformer_engine: Transformer Engine is not installed "
-               "(pip install 'megatron-parcae[gpu]'), or use --transformer-impl local")
+    """`local` unless Transformer Engine is asked for: no TE layer has been taken through an
+    in-place change, a snapshot or a recovery here, and TE names its parameters differently,
+    so a job cannot mix the two. torch is imported (seconds) only when TE is asked for, so
+    `parcae replay` parses flags without paying for torch."""
+    if args.transformer_impl is None:
         args.transformer_impl = "local"
+    if args.transformer_impl == "local":
         return
+    _check(importlib.util.find_spec("transformer_engine") is not None,
+           "--transformer-impl transformer_engine: Transformer Engine is not installed "
+           "(pip install 'megatron-parcae[gpu]'), or use --transformer-impl local")
     import torch
 
-    on_gpu = torch.cuda.is_available()
-    if args.transformer_impl is None:
-        args.transformer_impl = "transformer_engine" if on_gpu else "local"
-    _check(args.transformer_impl == "local" or on_gpu,
-           "--transformer-impl transformer_engine needs a GPU; use --transformer-impl local")
+    _check(torch.cuda.is_available(), "--transformer-impl transformer_engine needs a GPU; use --transformer-impl local")
 
 
 def _validate_data(args: argparse.Namespace) -> None:
@@ -535,8 +730,10 @@ def _validate_data(args: argparse.Namespace) -> None:
         args.eval_interval = None
     _check(args.eval_interval is None or validation_share > 0,
            f"--eval-interval needs a validation share in --split, got {args.split}")
+    _validate_tokenizer(args)
     if args.mock_data:
-        _check(args.vocab_size is not None or args.vocab_file is not None,
+        _check(args.vocab_size is not None or args.vocab_file is not None
+               or args.tokenizer_type == "HuggingFaceTokenizer",
                "--mock-data needs --vocab-size or a --vocab-file")
         args.data_blend = None
         return
@@ -549,13 +746,35 @@ def _validate_data(args: argparse.Namespace) -> None:
         for suffix in (".bin", ".idx"):
             _check(Path(prefix + suffix).is_file(), f"--data-path: missing {prefix + suffix}")
     _check(args.tokenizer_type is not None, "--tokenizer-type is required with --data-path")
+    if args.model == "bert":
+        _check(args.tokenizer_type.startswith("BertWordPiece") or args.tokenizer_type == "HuggingFaceTokenizer",
+               "BERT needs a BertWordPiece --tokenizer-type (or HuggingFaceTokenizer)")
+    if args.tokenizer_type not in TOKENIZERS:
+        return  # NullTokenizer and HuggingFaceTokenizer: _validate_tokenizer
     _check(args.vocab_file is not None and Path(args.vocab_file).is_file(),
            f"--vocab-file: missing file {args.vocab_file}")
     if args.tokenizer_type == "GPT2BPETokenizer":
         _check(args.merge_file is not None and Path(args.merge_file).is_file(),
                f"--merge-file: missing file {args.merge_file}")
-    if args.model == "bert":
-        _check(args.tokenizer_type.startswith("BertWordPiece"), "BERT needs a BertWordPiece --tokenizer-type")
+
+
+def _validate_tokenizer(args: argparse.Namespace) -> None:
+    """What NullTokenizer and HuggingFaceTokenizer need (the others' files are checked with
+    --data-path). transformers is looked for, not imported: that takes seconds."""
+    kind = args.tokenizer_type
+    _check(args.tokenizer_model is None or kind == "HuggingFaceTokenizer",
+           "--tokenizer-model needs --tokenizer-type HuggingFaceTokenizer")
+    if kind == "NullTokenizer":
+        _check(args.vocab_size is not None and args.vocab_size > 0,
+               "--tokenizer-type NullTokenizer needs a positive --vocab-size")
+        _check(args.model != "bert",
+               "--tokenizer-type NullTokenizer: BERT needs a tokenizer with [CLS], [SEP] and [MASK] tokens")
+    elif kind == "HuggingFaceTokenizer":
+        _check(args.tokenizer_model is not None and Path(args.tokenizer_model).is_dir(),
+               f"--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model, a local tokenizer folder "
+               f"(got {args.tokenizer_model})")
+        _check(importlib.util.find_spec("transformers") is not None,
+               "--tokenizer-type HuggingFaceTokenizer: transformers is not installed (pip install transformers)")
 
 
 def exit_on_argument_error(prog: str, error: ArgumentError) -> NoReturn:

@@ -64,7 +64,8 @@ MOMENTS = STATE_KEYS[1:]
 SHAPE_FLAGS = {"model": None, "num_layers": None, "hidden_size": None, "ffn_hidden_size": None,
                "num_attention_heads": None, "max_position_embeddings": None, "bert_no_binary_head": False,
                "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
-               "untie_embeddings_and_output_weights": False, "swiglu": False, "num_query_groups": None}
+               "untie_embeddings_and_output_weights": False, "swiglu": False, "num_query_groups": None,
+               "kv_channels": None, "disable_bias_linear": False}
 
 Entry = ShardedTensor | ShardedTensorFactory  # megatron-core's mapping of one parameter
 
@@ -339,8 +340,11 @@ def _stored(root: str | Path, directory: Path, m: _Mapped, prefix: str | None, s
 
 def load(root: str, runtime, finetune: bool = False) -> Progress:
     """Load the checkpoint `root` names (`locate`) into a freshly built runtime; returns
-    Progress. With `finetune` only the weights: Adam starts afresh at iteration 0."""
+    Progress. With `finetune` only the weights: Adam starts afresh at iteration 0. With
+    --no-load-optim, from --load, as Megatron-LM: the weights and how far training got,
+    while Adam, the loss scale and the learning-rate schedule start afresh."""
     directory, meta = locate(root)
+    fresh_optimizer = finetune or (getattr(runtime.args, "no_load_optim", False) and root == runtime.args.load)
     if meta is None and not finetune:
         raise CheckpointError(_no_progress(root, directory))
     if meta is not None:
@@ -355,7 +359,7 @@ def load(root: str, runtime, finetune: bool = False) -> Progress:
     for m in mapped:
         main = OPTIMIZER_KEYS["param"]  # fp32 main weights where the checkpoint has them
         prefixes = {"param": main if m.key(main) in stored else None}
-        if not finetune:
+        if not fresh_optimizer:
             prefixes.update({state: OPTIMIZER_KEYS[state] for state in MOMENTS})
         for state, prefix in prefixes.items():
             _stored(root, directory, m, prefix, stored)
@@ -370,10 +374,13 @@ def load(root: str, runtime, finetune: bool = False) -> Progress:
         weight = loaded[f"param/{m.name}"]
         states[m.shard.global_name] = {
             "param": weight,
-            **{state: torch.zeros_like(weight) if finetune else loaded[f"{state}/{m.name}"] for state in MOMENTS}}
-    if finetune:
+            **{state: torch.zeros_like(weight) if fresh_optimizer else loaded[f"{state}/{m.name}"]
+               for state in MOMENTS}}
+    if fresh_optimizer:
         import_param_states(runtime.model, runtime.optimizer, states, 0)
-        return Progress(iteration=0, consumed_samples=0)
+        if finetune:
+            return Progress(iteration=0, consumed_samples=0)
+        return Progress(iteration=meta["iteration"], consumed_samples=meta["consumed_samples"])
     import_param_states(runtime.model, runtime.optimizer, states, meta["optimizer_step"])
     load_loss_scale_state(runtime.optimizer, meta.get("loss_scale"))
     runtime.scheduler.num_steps = meta["scheduler_num_steps"]

@@ -14,6 +14,7 @@ import math
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -44,6 +45,8 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
+        kv_channels=args.kv_channels,  # None: hidden size / heads
+        add_bias_linear=not args.disable_bias_linear,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -69,11 +72,15 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         # Megatron-LM's own softmax kernel and apex's persistent LayerNorm, where installed
         # (megatron-core asserts rather than falls back when they are asked for and absent).
-        masked_softmax_fusion=on_gpu and _installed("scaled_masked_softmax_cuda"),
+        masked_softmax_fusion=(not args.no_masked_softmax_fusion and on_gpu
+                               and _installed("scaled_masked_softmax_cuda")),
         bias_dropout_fusion=on_gpu,
         bias_activation_fusion=on_gpu,
         persist_layer_norm=on_gpu and _installed("apex"),
         apply_rope_fusion=False,
+        # Transformer Engine's attention picks its backend itself unless told (arguments.py
+        # allows --use-flash-attn with Transformer Engine's layers only).
+        attention_backend=AttnBackend.flash if args.use_flash_attn else AttnBackend.auto,
         # As Megatron-LM: a stage frees its output once sent, and backward runs on autograd's
         # engine directly (which also keeps CPU support's device mapping on in recomputation
         # and sequence-parallel backward).

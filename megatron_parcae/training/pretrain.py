@@ -29,7 +29,9 @@ def pretrain(model: str, argv: list[str] | None = None) -> int:
             print(f"{prog}: error: --parcae-etcd {args.parcae_etcd}: {exc}", file=sys.stderr, flush=True)
             return 1
     from megatron_parcae.training.cpu import import_megatron_core
+    from megatron_parcae.training.fallback_warnings import show_first_missing_kernel_warning
 
+    show_first_missing_kernel_warning()
     import_megatron_core()
     from megatron_parcae.training.loop import run_training
 

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from megatron_parcae.training.data.tokenizer import Tokenizer
+from megatron_parcae.training.data.tokenizer import HuggingFaceTokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,12 @@ class MockTokenizer:
         return {"class": "MockTokenizer", "vocab_size": self.vocab_size}
 
 
-def build_tokenizer(args: argparse.Namespace) -> Tokenizer | MockTokenizer:
+def build_tokenizer(args: argparse.Namespace) -> Tokenizer | HuggingFaceTokenizer | MockTokenizer:
+    if args.tokenizer_type == "NullTokenizer":
+        # Megatron-LM's: the data's ids as they are, --vocab-size of them, then the EOD id.
+        return MockTokenizer(args.vocab_size + 1)
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(args.tokenizer_model)
     if args.vocab_file is not None and args.tokenizer_type is not None:
         return Tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     return MockTokenizer(args.vocab_size)

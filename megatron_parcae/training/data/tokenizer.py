@@ -2,7 +2,7 @@
 
 Megatron-LM's GPT-2 BPE and BERT WordPiece tokenizers, read from the usual vocab (and
 merge) files through the `tokenizers` library, which can also train such files from a
-local corpus: no hub, no download.
+local corpus; and a tokenizer transformers saved to a local folder. No hub, no download.
 """
 
 from __future__ import annotations
@@ -66,6 +66,58 @@ class Tokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids))
+
+
+class HuggingFaceTokenizer:
+    """A tokenizer that transformers saved to a local folder (`save_pretrained`), with the
+    attributes megatron-core's datasets read; it is never looked up on a hub."""
+
+    def __init__(self, folder: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--tokenizer-model {folder}: no tokenizer transformers can read ({exc})") from None
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"--tokenizer-model {folder}: the tokenizer has no end-of-sequence token for EOD")
+        self.vocab = dict(sorted(self._tok.get_vocab().items(), key=lambda item: item[1]))
+        self.inv_vocab = {i: t for t, i in self.vocab.items()}
+        self.vocab_size = len(self._tok)
+        self.unique_identifiers = {"class": "HuggingFaceTokenizer", "vocab_size": self.vocab_size,
+                                   "tokenizer_model": str(folder)}
+
+    def _special(self, name: str) -> int:
+        token_id = getattr(self._tok, f"{name}_token_id")
+        if token_id is None:
+            raise ValueError(f"the HuggingFace tokenizer has no {name} token")
+        return token_id
+
+    @property
+    def eod(self) -> int:
+        return self._tok.eos_token_id
+
+    @property
+    def cls(self) -> int:
+        return self._special("cls")
+
+    @property
+    def sep(self) -> int:
+        return self._special("sep")
+
+    @property
+    def mask(self) -> int:
+        return self._special("mask")
+
+    @property
+    def pad(self) -> int:
+        return self.eod if self._tok.pad_token_id is None else self._tok.pad_token_id
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids))
