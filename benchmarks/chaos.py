@@ -45,6 +45,7 @@ from pathlib import Path
 
 from megatron_parcae.events import PlanPublished, read_events
 from megatron_parcae.tools.compare import TOLERANCE, StateDifference, load_state
+from megatron_parcae.tools.progress import Progress, counted
 from megatron_parcae.tools.replay import (JobLog, ParcaeJob, ReplayError, children_temporary_folder, fresh_workdir,
                                           interrupt_on_signals)
 from megatron_parcae.control.etcd import EtcdClient, EtcdError, JobStore
@@ -285,11 +286,15 @@ def main(argv: list[str] | None = None) -> int:
              "--min-lr", "3e-5", "--log-interval", "1"]
     global_batch = 32  # configs/gpt-tiny.yaml
     args.workdir.mkdir(parents=True, exist_ok=True)
-    with children_temporary_folder("parcae-chaos-"):  # the workers it kills leave theirs there
+    # The children's temporary folder: the workers it kills leave theirs there.
+    with children_temporary_folder("parcae-chaos-"), Progress("chaos") as progress:
+        progress.update("uninterrupted runs on 1 and 2 processes")
         reference = uninterrupted_state(args.workdir / "reference", flags, 1)
         noise_floor = StateDifference.of(uninterrupted_state(args.workdir / "reference-2", flags, 2), reference)
-        print(f"uninterrupted, 2 processes against 1: {noise_floor}", flush=True)
+        progress.print(f"uninterrupted, 2 processes against 1: {noise_floor}")
         reports = []
+        runs_from = progress.elapsed
+        progress.status = lambda elapsed: counted(len(reports), args.runs, "runs", elapsed - runs_from)
         for index in range(args.runs):
             rng = random.Random(args.seed * 1_000_003 + index)
             distributed = args.optimizer == "distributed" or (args.optimizer == "alternate" and index % 2 == 1)
@@ -298,16 +303,18 @@ def main(argv: list[str] | None = None) -> int:
             report = chaos_run(index, rng, args.workdir / f"run-{index:02d}", run_flags, args.iterations, global_batch,
                                args.save_interval, args.kills, reference)
             reports.append(report)
-            print(f"run {index:2d}: {'ok  ' if report.passed else 'FAIL'} {report.workers} workers"
-                  f"{', distributed optimizer' if distributed else ''}, {report.kills} kills "
-                  f"({report.kills_during_migration} in migrations, {report.kills_at_checkpoint} at checkpoints), "
-                  f"{report.recoveries_in_place} in place ({report.recoveries_from_replicas} from replicas, "
-                  f"{report.recoveries_from_copies} from copies), {report.checkpoint_fallbacks} from checkpoints"
-                  + (f" (and {report.restarts_before_training} before training)"
-                     if report.restarts_before_training else "")
-                  + f", {report.lost_steps} lost steps, {report.difference}, {report.wall_seconds:.0f} s"
-                  + (f"; {report.error or ''} {' '.join(report.sample_problems)}" if not report.passed else ""),
-                  flush=True)
+            progress.print(f"run {index:2d}: {'ok  ' if report.passed else 'FAIL'} {report.workers} workers"
+                           f"{', distributed optimizer' if distributed else ''}, {report.kills} kills "
+                           f"({report.kills_during_migration} in migrations, "
+                           f"{report.kills_at_checkpoint} at checkpoints), "
+                           f"{report.recoveries_in_place} in place ({report.recoveries_from_replicas} from replicas, "
+                           f"{report.recoveries_from_copies} from copies), "
+                           f"{report.checkpoint_fallbacks} from checkpoints"
+                           + (f" (and {report.restarts_before_training} before training)"
+                              if report.restarts_before_training else "")
+                           + f", {report.lost_steps} lost steps, {report.difference}, {report.wall_seconds:.0f} s"
+                           + (f"; {report.error or ''} {' '.join(report.sample_problems)}"
+                              if not report.passed else ""))
     totals = {key: sum(getattr(r, key) for r in reports) for key in (
         "kills", "kills_during_migration", "kills_at_checkpoint", "coordinator_restarts", "etcd_restarts",
         "recoveries_in_place", "recoveries_from_replicas", "recoveries_from_copies", "checkpoint_fallbacks",

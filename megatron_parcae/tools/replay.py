@@ -45,6 +45,7 @@ from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.events import (
     Event, EventError, EventFollower, Iteration, LayoutChange, Load, Save, ThroughputLearned, read_events,
 )
+from megatron_parcae.tools.progress import Progress, hms
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 from reconfig.placement import MAX_GPUS_PER_INSTANCE
 
@@ -441,10 +442,13 @@ class CheckpointRestartJob:
         self.log.poll()
 
 
-def replay(steps: list[ReplayStep], job: Job, duration_seconds: float) -> float:
+def replay(steps: list[ReplayStep], job: Job, duration_seconds: float, progress: Progress | None = None,
+           speedup: float = 1.0) -> float:
     """Drive `job` through the steps in wall-clock time, until the trace or the training
-    ends; returns the seconds it took."""
+    ends; returns the seconds it took. `progress` shows where the replay is."""
     start = time.monotonic()
+    if progress is not None:
+        progress.status = lambda _: replay_status(steps, job.log, time.monotonic() - start, duration_seconds, speedup)
     try:
         for step in steps:
             if _sleep_checking(job, start + step.at_seconds):
@@ -455,6 +459,17 @@ def replay(steps: list[ReplayStep], job: Job, duration_seconds: float) -> float:
     finally:
         job.stop()
     return time.monotonic() - start
+
+
+def replay_status(steps: list[ReplayStep], log: JobLog, wall: float, duration_seconds: float, speedup: float) -> str:
+    """Where a replay is, `wall` seconds in: trace time, instances, the layout the
+    workers last reported, samples trained, layout changes and the time left."""
+    instances = next((s.count for s in reversed(steps) if s.at_seconds <= wall), 0)
+    changes = log.changes
+    layout = "T{}P{}D{}".format(*changes[-1]["layout"]) if changes else "none yet"
+    return (f"trace {hms(min(wall, duration_seconds) * speedup)}/{hms(duration_seconds * speedup)}, "
+            f"instances {instances}, layout {layout}, samples {log.trained_samples}, changes {len(changes)}, "
+            f"{hms(max(0.0, duration_seconds - wall))} left")
 
 
 def _sleep_checking(job: Job, until: float) -> bool:
@@ -669,7 +684,7 @@ def plot(summaries: list[ReplaySummary], steps: list[ReplayStep], path: Path) ->
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, help="availability trace (any format of predictor.traces)")
-    parser.add_argument("--start-hour", type=float, default=0.0)
+    parser.add_argument("--start-hour", type=float, default=0.0, help="replay from this hour of the trace")
     parser.add_argument("--end-hour", type=float, default=None, help="default: the end of the trace")
     parser.add_argument("--max-instances", type=int, required=True,
                         help="scale the trace so that its peak is this many instances")
@@ -808,8 +823,10 @@ def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
             return 2
         print(f"{prog}: {mode}: {len(steps)} availability changes over {duration:.0f} s (logs in {workdir})", flush=True)
         try:
-            job = make_job(workdir)
-            wall = replay(steps, job, duration)
+            with Progress(f"{prog}: {mode}") as progress:
+                progress.update("starting the job")
+                job = make_job(workdir)
+                wall = replay(steps, job, duration, progress, args.speedup)
         except ReplayError as exc:
             print(f"{prog}: error: {mode}: {exc}", file=sys.stderr)
             return 1
