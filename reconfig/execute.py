@@ -16,13 +16,12 @@ fractions rounded down to elements, so the pieces of any two layouts tile exactl
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Protocol
 
@@ -46,7 +45,7 @@ from reconfig.optimizer_state import (
 from reconfig.layout import Parallelism
 from reconfig.plan import OPTIMIZER, PARAMS, PARAMS_AND_OPTIMIZER, MigrationPlan, Range, Transfer
 from reconfig.tensors import ParamShard, param_shards, unwrap
-from reconfig import phases, planes
+from reconfig import phases, planes, transfer
 from reconfig.world import World, live_process_groups
 
 _KEYS_OF_STATE = {PARAMS_AND_OPTIMIZER: STATE_KEYS, PARAMS: ("param",), OPTIMIZER: ("exp_avg", "exp_avg_sq")}
@@ -68,6 +67,11 @@ RuntimeFactory = Callable[[Parallelism], Runtime]
 
 class MigrationError(RuntimeError):
     """The plan and the model (or a peer's message) disagree: state would be lost or wrong."""
+
+
+class PayloadBroken(MigrationError):
+    """A transfer arrived damaged or short somewhere in WORLD (reconfig/transfer.py): every
+    worker raises it together, with its state as it was, so the change can be taken again."""
 
 
 class StatesDiffer(MigrationError):
@@ -107,6 +111,12 @@ class HeldState:
     tp_rank: int
     tp_size: int
     counters: Counters
+
+    def __post_init__(self) -> None:
+        # A shard's geometry is all that is used of it; the live Parameter, through its
+        # data and `.main_grad`, would keep the old layout's DDP buffers alive.
+        self.shards = {name: replace(shard, param=torch.empty(shard.param.shape, device="meta"))
+                       for name, shard in self.shards.items()}
 
 
 @dataclass
@@ -174,21 +184,13 @@ def _parse_header(raw: bytes, src: int, expected: int) -> list[tuple[str, str, i
     return [tuple(e) for e in entries]
 
 
-def framed(header: bytes, payload: torch.Tensor) -> list[torch.Tensor]:
-    """A JSON header and its fp32 payload as the messages a peer receives them in (tags
-    t, t + 1, t + 2): their sizes and the header on the control plane, the payload on the
-    data plane; an empty payload is not sent, the sizes say so."""
-    payload = planes.on_data_plane(payload.float())
-    messages = [planes.control_tensor([len(header), payload.numel()]), planes.control_bytes(header)]
-    return messages + ([payload] if payload.numel() else [])
-
-
 def _exchange(plan: MigrationPlan, world: World, held: HeldState | None,
               copies: dict[int, HeldState]) -> list[_Received]:
-    """Send and receive this worker's transfers; three messages each: sizes, header, payload.
-    `copies`: the lost workers' states this worker holds copies of, by worker."""
+    """Send and receive this worker's transfers (reconfig/transfer.py), one message each:
+    a header listing (name, key, count) and the values. `copies`: the lost workers'
+    states this worker holds copies of, by worker."""
     me, rank_of = world.worker, {w: r for r, w in enumerate(world.members)}
-    sends, incoming, local = [], [], []
+    sends, receives, local = [], [], []
     for index, t in enumerate(plan.transfers):
         if t.src == me:
             source = held if t.copy_of is None else copies.get(t.copy_of)
@@ -200,33 +202,25 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None,
                 local += [_Received(n, k, t.split_range, t.shard_range, v) for n, k, v in items]
                 continue
             header = json.dumps([[n, k, v.numel()] for n, k, v in items]).encode()
-            messages = framed(header, torch.cat([v for _, _, v in items]))
-            sends += [dist.isend(m, rank_of[t.dst], tag=3 * index + i) for i, m in enumerate(messages)]
+            sends.append(transfer.Outgoing(rank_of[t.dst], index, header, torch.cat([v.float() for _, _, v in items])))
         if t.dst == me and t.src != me:
-            sizes = planes.control_buffer(2, torch.int64)
-            incoming.append((index, t, sizes, dist.irecv(sizes, rank_of[t.src], tag=3 * index)))
-    bodies = []
-    for index, t, sizes, request in incoming:
-        request.wait()
-        header = planes.control_buffer(int(sizes[0]), torch.uint8)
-        payload = planes.data_buffer(int(sizes[1]), torch.float32)
-        waits = [dist.irecv(header, rank_of[t.src], tag=3 * index + 1)]
-        waits += [dist.irecv(payload, rank_of[t.src], tag=3 * index + 2)] if payload.numel() else []
-        bodies.append((t, header, payload, waits))
+            receives.append(transfer.Incoming(rank_of[t.src], index))
+    try:
+        arrived = transfer.exchange(sends, receives, world.collective_timeout,
+                                    what=f"the migration to {plan.new.parallelism}").messages
+    except transfer.TransferBroken as exc:
+        raise PayloadBroken(str(exc)) from None
+    del sends
     received = local
-    for t, header, payload, waits in bodies:
-        for w in waits:
-            w.wait()
-        # Held in host memory until the new layout is built and filled: the device then
-        # holds the new layout only.
-        payload = planes.host_copy(payload)
-        planes.host_copies_done()
+    for index, t in enumerate(plan.transfers):
+        if t.dst != me or t.src == me:
+            continue
+        message = arrived[rank_of[t.src], index]
         offset = 0
-        for name, key, count in _parse_header(header.numpy().tobytes(), t.src, payload.numel()):
-            received.append(_Received(name, key, t.split_range, t.shard_range, payload[offset: offset + count]))
+        for name, key, count in _parse_header(message.header, t.src, message.payload.numel()):
+            received.append(_Received(name, key, t.split_range, t.shard_range,
+                                      message.payload[offset: offset + count]))
             offset += count
-    for s in sends:
-        s.wait()
     return received
 
 
@@ -302,9 +296,12 @@ def _own(like: torch.Tensor, shard: ParamShard, tp_rank: int, tp_size: int, own_
 
 
 def release_runtime(runtime: Runtime) -> None:
-    """Drop a layout's megatron-core objects and groups, and free its memory now."""
+    """Drop a layout's megatron-core objects and groups, and free its memory now:
+    `destroy` leaves them no reference cycle, so reference counting frees them, and the
+    device's cached blocks go back before the next layout's communicators are made."""
     runtime.destroy()
-    gc.collect()  # DDP hooks keep the old model in reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @contextmanager
@@ -321,9 +318,10 @@ def built_layout(build: RuntimeFactory, parallelism: Parallelism, world: World, 
         raise
 
 
-def export_held_state(runtime: Runtime) -> HeldState:
-    """This worker's state before its layout is dropped (collective over the old DP group)."""
-    states = export_param_states(runtime.model, runtime.optimizer)
+def export_held_state(runtime: Runtime, into: planes.HostArena | None = None) -> HeldState:
+    """This worker's state before its layout is dropped (collective over the old DP group),
+    in `into` where given."""
+    states = export_param_states(runtime.model, runtime.optimizer, into)
     counters = Counters(step_count(runtime.optimizer), runtime.scheduler.num_steps, loss_scale_state(runtime.optimizer))
     return HeldState({s.shard.global_name: s.shard for s in states},
                      {s.shard.global_name: s.tensors for s in states},

@@ -32,6 +32,7 @@ from megatron_parcae.training.models import padded_vocab_size
 from megatron_parcae.training.progress import Progress
 from megatron_parcae.training.runtime import LayoutRuntime
 from reconfig.optimizer_state import step_count
+from reconfig.world import release_all
 
 
 def _fail(prog: str, message: str, code: int) -> int:
@@ -69,8 +70,8 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
     hook = build_hook(args, vocab, LayoutRuntime, client, before_change=before_change)
     dataset, valid_dataset = build_datasets(args, tokenizer)
     # All built so far lives as long as the process. Out of the cyclic collector's sight,
-    # it is not scanned again by the full collection each layout change makes to free the
-    # old layout (reconfig.execute.release_runtime): 3-7 ms instead of 0.3-0.9 s on CPU.
+    # it is not scanned again by the collector's full collections. A dropped layout needs
+    # none: reference counting frees it (training/teardown.py).
     gc.freeze()
     finished = None
     try:
@@ -167,5 +168,4 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
             metrics.close()
         if exit_signal is not None:
             exit_signal.restore()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release_all()  # aborted, not destroyed, where WORLD broke: a broken NCCL communicator can hang

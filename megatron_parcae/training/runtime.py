@@ -31,6 +31,7 @@ from megatron_parcae.training.data.datasets import rank_micro_batches, step_iter
 from megatron_parcae.training.device import SETUP_TIMEOUT, collective_timeout
 from megatron_parcae.training.models import build_model_chunk, transformer_config, wrap_for_training
 from megatron_parcae.training.progress import Progress
+from megatron_parcae.training.teardown import take_apart
 from reconfig import planes
 from reconfig.tensors import unwrap
 from reconfig.world import patient, release_parallel_state
@@ -222,8 +223,12 @@ class LayoutRuntime:
         )
 
     def destroy(self) -> None:
-        """Drop this layout's objects and process groups (megatron-core forgets some)."""
-        self.model = self.optimizer = self.scheduler = None
+        """Drop this layout's objects and process groups (megatron-core forgets some).
+        The objects are taken apart first: reference counting frees them as soon as
+        this object goes, and this object holds none of them after."""
+        if self.model is not None:
+            take_apart(self.config, self.model)
+        self.model = self.optimizer = self.scheduler = self.config = None
         release_parallel_state()
 
 

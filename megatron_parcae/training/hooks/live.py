@@ -21,10 +21,11 @@ notice and delivers the coordinator's plans; this module applies them:
   without them): they write a checkpoint of the iteration they are at, after the save
   in flight, and leave the layout; those with a notice exit. The plan that resumes the
   job builds its layout from that checkpoint, losing no step.
-- `recover()`: a collective failed because a peer died without notice or stalled (every
-  collective times out after one lease period). This worker leaves WORLD, so that peers
-  blocked on it fail at once, tells the coordinator (`broken` in its member record) and
-  waits for the next plan. Its state is whole at its last applied step (the training step
+- `recover()`: a collective failed because a peer died without notice or stalled (a
+  running layout's collectives time out after one lease period; a longer wait, as in a
+  layout's first step, is aborted once the peer's lease ends: reconfig/timeouts.py).
+  This worker aborts and leaves WORLD, so that peers blocked on it fail at once, tells
+  the coordinator (`broken` in its member record) and waits for the next plan. Its state is whole at its last applied step (the training step
   makes no collective after its update), so that plan can be an in-place migration
   without the lost peer. A failure while a migration is applied keeps the state the
   worker brought into it (a migration only reads it) and says of which layout, so the
@@ -63,7 +64,7 @@ import torch.distributed as dist
 
 from megatron_parcae import events
 from megatron_parcae.training import checkpointing
-from megatron_parcae.training.device import collective_timeout, prepare_device
+from megatron_parcae.training.device import collective_timeout, first_step_timeout, prepare_device
 from megatron_parcae.control.agent import ParcaeAgent
 from megatron_parcae.control.etcd.client import EtcdClient, EtcdGone, EtcdUnavailable
 from megatron_parcae.control.etcd.keys import (SAVE_AND_EXIT, DoneRecord, JobStore, PlanEnvelope, ProfileRecord,
@@ -89,7 +90,7 @@ from reconfig import planes
 from reconfig.copies import SnapshotStore
 from reconfig.layout import Layout, ModelShape, Parallelism
 from reconfig.plan import MigrationPlan
-from reconfig.world import World, is_peer_failure, process_group_backend
+from reconfig.world import World, WorldBroken, is_peer_failure, process_group_backend, set_timeouts
 
 STANDBY_POLL_SECONDS = 0.2
 # How long a published plan may wait for the boundary that applies it. An agreement every
@@ -147,9 +148,10 @@ class LiveReconfiguration:
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
                                  args.parcae_lease_seconds, args.parcae_instance, local_rank, notices,
                                  can_save=bool(args.save), model=self.shape,
-                                 failure_domain=args.parcae_failure_domain)
+                                 failure_domain=args.parcae_failure_domain, transformer_impl=args.transformer_impl)
         self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), process_group_backend(),
                            collective_timeout=collective_timeout(args), abandon=self._wait_in_vain)
+        self.world.watch(args.parcae_lease_seconds / 3)  # a peer lost in a long collective: abort WORLD
         self.generation = 0  # the newest plan this worker has applied (or skipped, or failed in)
         self._applying = 0  # the plan being applied, while one is
         self._next_members_check = 0.0  # monotonic time a wait for peers may next read who is a member
@@ -160,6 +162,7 @@ class LiveReconfiguration:
         self._agreed: tuple[int, bool] | None = None  # what trained() agreed for the coming boundary
         self._agree_at = 0  # the iteration whose boundary the layout's ranks agree at next (0: the next one)
         self._step_seconds: float | None = None  # the newest measured step of the running layout
+        self._first_step = False  # the running layout's collectives wait up to first_step_timeout
         self.before_change = before_change  # complete what needs this WORLD (a save in flight)
         self._profile_checked: ProfileRecord | None = None
         self.snapshots = SnapshotStore() if args.parcae_copy_interval else None
@@ -183,6 +186,8 @@ class LiveReconfiguration:
 
     def advance(self, runtime: Runtime, consumed_samples: int) -> tuple[Runtime | None, int]:
         """Apply the plans due at this iteration boundary; None: this worker leaves the job."""
+        if self.world.aborted:  # gloo's collectives go on after an abort: a peer failed all the same
+            raise WorldBroken(f"worker {self.world.worker} aborted WORLD: {self.world.aborted}")
         now = time.perf_counter()
         iteration = consumed_samples // self.samples_per_iteration
         if self._last_boundary is not None:
@@ -208,12 +213,19 @@ class LiveReconfiguration:
             self._layout_started()
         else:
             self._last_boundary = time.perf_counter()
+            if self._first_step:  # and the first snapshot: steps wait for peers a lease period again
+                set_timeouts(self.world.collective_timeout)
+                self._first_step = False
         return runtime, consumed_samples
 
     def _layout_started(self) -> None:
         """A layout was formed: its ranks agree at its first boundary, and its first step
-        is not measured."""
+        is not measured. Its collectives wait up to --parcae-first-step-timeout until its
+        first boundary is done: the first step compiles kernels and forms communicators."""
         self._last_boundary, self._step_seconds, self._agree_at = None, None, 0
+        self._first_step = bool(self.world.members) and not self.world.aborted
+        if self._first_step:
+            set_timeouts(first_step_timeout(self.args))
 
     def _keep_copies(self, runtime: Runtime, consumed_samples: int) -> None:
         """Snapshot the layout's state with its buddies' copies, when due (every worker of the
@@ -228,13 +240,18 @@ class LiveReconfiguration:
         me, holders = self.world.worker, self._copy_holders
         ward = next((w for w, h in holders.items() if h == me), None)
         peers = self._state_layout.dp_peers(me)
+        damaged = self.snapshots.damaged_exchanges
         snapshot = self.snapshots.take(runtime, self.world, self.generation, iteration, consumed_samples,
                                        holders.get(me), ward, peers)
-        self._copies_generation = self.generation
-        if first and dist.get_rank() == 0:
-            events.report(events.CopiesKept(self.generation, iteration, self.args.parcae_copy_interval,
-                                            snapshot.nbytes() / 2**20, time.perf_counter() - started,
-                                            ward is not None and ward not in peers))
+        if snapshot is not None:
+            self._copies_generation = self.generation
+        if dist.get_rank() == 0:
+            events.report(events.CopiesKept(
+                self.generation, iteration, self.args.parcae_copy_interval,
+                0.0 if snapshot is None else snapshot.nbytes() / 2**20, time.perf_counter() - started,
+                ward is not None and ward not in peers, committed=snapshot is not None,
+                damaged=self.snapshots.damaged_exchanges - damaged, host_mib=self.snapshots.host_bytes() / 2**20,
+                allocations=self.snapshots.allocations))
 
     def trained(self, consumed_samples: int) -> None:
         """A step was applied and rank 0 logged it: rank 0 records how far the job got (so
@@ -277,6 +294,9 @@ class LiveReconfiguration:
         """A collective of the running layout failed (a peer died or stalled): report it,
         keep this worker's state and apply the coordinator's next plan."""
         self._agreed = None  # agreed in the broken WORLD
+        # First: on NCCL a collective may still be blocked on the failed peer, and every
+        # later use of the device (the state's export) would wait behind it.
+        self.world.abort(f"a collective failed: {str(error).strip()[:200]}")
         self._recovered_from = self._state_layout
         self._layout_started()
         self._check_membership()
@@ -296,6 +316,7 @@ class LiveReconfiguration:
                                   time.time())
                 self._etcd("record the end of training", lambda: self.store.mark_done(done))
         finally:
+            self.world.close()
             self.agent.stop()
 
     # -- plans -----------------------------------------------------------------------
@@ -454,6 +475,7 @@ class LiveReconfiguration:
             except RuntimeError as exc:
                 if not _change_failed(exc):
                     raise
+                self.world.abort(f"generation {generation} failed: {str(exc).strip()[:200]}")
                 if _is_running(runtime):
                     release_runtime(runtime)  # already done unless the failure came first
                 kept = exc.held if isinstance(exc, ChangeFailed) else None
