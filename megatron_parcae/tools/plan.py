@@ -42,6 +42,8 @@ import numpy as np
 
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, CostConstants
 from megatron_parcae.liveput.factory import LiveputStack, build_liveput
+from megatron_parcae.tools import deadline
+from megatron_parcae.tools.progress import Progress
 from megatron_parcae.tools.simulate import ON_DEMAND_PRICE, SPOT_PRICE, ForecasterFeed, Replay, Simulation
 from predictor.traces import AvailabilityTrace
 from reconfig.placement import MAX_GPUS_PER_INSTANCE
@@ -126,6 +128,18 @@ class Sizer:
         self._replays: dict[tuple[int, int], Replay] = {}
         self._feeds: dict[tuple[int, int], ForecasterFeed] = {}
         self._best_rates: dict[int, float] = {}
+        # Simulations finished, their intervals, the one running: one tuple, replaced whole,
+        # so that the progress line's thread reads a consistent count.
+        self._simulations: tuple[int, int, Simulation | None] = (0, 0, None)
+
+    def simulated(self) -> tuple[int, int]:
+        """Simulations started and the intervals they have replayed so far."""
+        finished, intervals, running = self._simulations
+        return finished + (running is not None), intervals + (running.intervals_done if running else 0)
+
+    def progress(self) -> str:
+        """Where the search is, for the progress line (read from its thread)."""
+        return "{} clusters priced, {} simulated, {} intervals replayed".format(len(self._seen), *self.simulated())
 
     def _replay(self, trace: int, spot: int) -> Replay:
         """Trace `trace` scaled to `spot` instances over the deadline."""
@@ -161,6 +175,7 @@ class Sizer:
             return np.array([self._best_rate(n) for n in range(int(counts.max()) + 1)])[counts]
         sim = Simulation(replay, self.liveput, on_demand=on_demand, spot_price=self.spot_price,
                          on_demand_price=self.on_demand_price, feed=self._feed(trace, spot))
+        self._simulations = (*self.simulated(), sim)
         return np.array(sim.run(policy, until_samples=self.samples).rates)
 
     def evaluate(self, spot: int, on_demand: int, policy: str = "parcae") -> Candidate:
@@ -253,6 +268,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spot-price", type=float, default=SPOT_PRICE, help="$ per spot instance-hour")
     parser.add_argument("--on-demand-price", type=float, default=ON_DEMAND_PRICE, help="$ per on-demand instance-hour")
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
+    deadline.add_arguments(parser, plan=True)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -291,6 +307,8 @@ def _impossible(args: argparse.Namespace, sizer: Sizer) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.max_instances is not None:
+        return deadline.plan(args)
     try:
         _check(args)
         constants = CostConstants.load(args.cost_constants)
@@ -303,9 +321,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"parcae plan: error: {exc}", file=sys.stderr)
         return 2
     sizer = Sizer(traces, liveput, args.samples, args.deadline, args.spot_price, args.on_demand_price)
-    if not sizer.possible():
+    with Progress("parcae plan", lambda elapsed: sizer.progress()):
+        possible = sizer.possible()
+        candidates, ruled_out = sizer.search() if possible else ([], [])
+    if not possible:
         return _impossible(args, sizer)
-    candidates, ruled_out = sizer.search()
     affordable = [c for c in candidates if args.budget is None or c.dollars <= args.budget]
     best = affordable[0] if affordable else None
     if args.json:

@@ -52,6 +52,8 @@ import numpy as np
 from megatron_parcae.liveput.cost import COST_MODELS, DEFAULT_CONSTANTS, CostConstants
 from megatron_parcae.liveput.factory import LiveputStack, build_liveput
 from megatron_parcae.liveput.scenarios import SuddenLosses
+from megatron_parcae.tools import deadline
+from megatron_parcae.tools.progress import Progress, counted
 from predictor.forecast import AvailabilityForecast, make_forecaster
 from predictor.rates import RATES, make_rates
 from predictor.traces import AvailabilityTrace
@@ -188,6 +190,7 @@ class Simulation:
         hours = self.interval / 3600
         spot_hours = float(replay.counts[replay.start:replay.end].sum()) * hours
         self.dollars = spot_hours * spot_price + on_demand * replay.intervals * hours * on_demand_price
+        self.intervals_done = 0  # over every policy run, for progress
 
     def instances(self, i: int) -> int:
         return int(self.replay.counts[self.replay.start + i]) + self.on_demand
@@ -213,6 +216,7 @@ class Simulation:
             best = self.throughput.best(self.instances(i) * self.gpus)
             rate = 0.0 if best is None else self.throughput.samples_per_second(best)
             run.add(best, rate, self.interval, self.interval)
+            self.intervals_done += 1
         return run
 
     def _reactive(self) -> PolicyRun:
@@ -235,6 +239,7 @@ class Simulation:
         work = max(0.0, self.interval - lost)
         run.lost_seconds += min(lost, self.interval)
         run.add(layout, rate, work, self.interval)
+        self.intervals_done += 1
         return max(0.0, lost - self.interval)
 
     def _liveput(self, name: str, oracle: bool, until: float) -> PolicyRun:
@@ -429,6 +434,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--on-demand-price", type=float, default=ON_DEMAND_PRICE, help="$ per on-demand instance-hour")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="write a timeline plot")
+    deadline.add_arguments(parser)
 
 
 def build(args: argparse.Namespace) -> tuple[Replay, LiveputStack]:
@@ -455,7 +461,10 @@ def _check_common(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if deadline.selected(args):
+        return deadline.run(args, POLICIES)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    progress = Progress("parcae simulate").start()
     try:
         _check_common(args)
         unknown = [p for p in policies if p not in POLICIES]
@@ -467,14 +476,19 @@ def run(args: argparse.Namespace) -> int:
         if args.rates != "none" and "parcae" not in policies:
             raise ValueError("--rates changes the parcae policy's forecasts: add parcae to --policies")
         replay, liveput = build(args)
+        progress.update(f"the forecaster reads the {replay.start} intervals before the replay")
         feed = ForecasterFeed(replay, args.rates) if "parcae" in policies else None
         sims = [Simulation(replay, liveput, args.seed + k, args.on_demand, args.spot_price, args.on_demand_price,
                            feed) for k in range(args.draws)]
     except (ValueError, OSError) as exc:
+        progress.close()
         print(f"parcae simulate: error: {exc}", file=sys.stderr)
         return 2
     sim = sims[0]
+    total = len(policies) * len(sims) * replay.intervals
+    progress.status = lambda elapsed: counted(sum(s.intervals_done for s in sims), total, "intervals replayed")
     runs = {p: averaged([s.run(p) for s in sims]) for p in policies}
+    progress.close()
     result = report(sim, runs)
     if args.plot:
         plot_timeline(sim, runs, args.plot)
