@@ -50,6 +50,8 @@ Rules it keeps:
   layout's rank 0 reports (`ChangeReport`): the cost model's phase rates are fitted on the
   changes still kept, beside their plans, as soon as one is reported; the network between
   instances from the figures the workers measure when the first layout on two is built.
+- With pools in its config it counts the job's dollars by pool as instances run, and
+  projects its finish and cost against the deadline (control/cost.py).
 - When training ends (the `done` record a worker writes), the coordinator exits.
 """
 
@@ -98,11 +100,15 @@ from megatron_parcae.control.etcd.keys import (
     NoticeRecord,
     ProfileRecord,
 )
+from megatron_parcae.control.cost import CostMeter, Pricing
 from megatron_parcae.control.implementations import MixedImplementations, one_implementation
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, SuddenLosses, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, MigrationCostModel, PhaseRates
 from megatron_parcae.liveput.learned import ThroughputLearner
 from megatron_parcae.liveput.throughput import ForModels, ProfileError, ThroughputModel
+from megatron_parcae.provisioning.pools import Pool
+from megatron_parcae.provisioning.provisioner import ProvisionerConfig
+from megatron_parcae.provisioning.settings import Deadline, budget_of, config_pools
 from megatron_parcae.scalars import ScalarBackend
 from predictor.forecast import FORECASTERS, AvailabilityForecast, Forecaster, make_forecaster
 from predictor.rates import RATES, ForecastRates, make_rates
@@ -146,6 +152,11 @@ class CoordinatorConfig:
     sudden_share: float = 0.0  # share of preemptions that come without notice (liveput/scenarios.SuddenLosses)
     copy_interval: int = SuddenLosses.copy_interval  # the workers' --parcae-copy-interval (0: no snapshots)
     save_interval: int = 0  # the workers' --save-interval (0: unknown)
+    # What the job buys (provisioning/settings.py): with pools, the coordinator counts dollars.
+    pools: tuple[Pool, ...] = ()
+    deadline: Deadline | None = None  # samples or iterations by a time
+    budget: float | None = None  # dollars
+    provisioner: ProvisionerConfig | None = None  # the backend that gets and gives back instances
 
     @classmethod
     def load(cls, path: str | Path) -> CoordinatorConfig:
@@ -206,6 +217,8 @@ class CoordinatorConfig:
                     raise ConfigError(f"{where}: {key}: expected a number of steps from 0 to 1000000000, "
                                       f"got {value!r}")
                 values[name] = value
+            elif name in ("pools", "deadline", "budget", "provisioner"):
+                values[name] = _provisioning(where, name, value, base)
             elif name in ("lookahead", "max_workers", "min_workers", "gpus_per_instance"):
                 top = MAX_GPUS_PER_INSTANCE if name == "gpus_per_instance" else 1_000_000
                 if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
@@ -217,6 +230,7 @@ class CoordinatorConfig:
         config = cls(**values)
         if config.min_workers > config.max_workers:
             raise ConfigError(f"{where}: min-workers {config.min_workers} exceeds max-workers {config.max_workers}")
+        _check_pools(where, config)
         return config
 
     def optimizer(self, throughput: ThroughputModel | None = None, phase_rates: PhaseRates | None = None,
@@ -248,6 +262,31 @@ def _existing_file(where: str, key: str, value: Any, base: Path) -> Path:
     if not path.is_file():
         raise ConfigError(f"{where}: {key}: no file {path}")
     return path
+
+
+def _provisioning(where: str, name: str, value: Any, base: Path) -> Any:
+    """The pools, deadline, budget or provisioner of the config."""
+    try:
+        if name == "pools":
+            return config_pools(value, base)
+        if name == "deadline":
+            return Deadline.from_dict(value)
+        return budget_of(value) if name == "budget" else ProvisionerConfig.from_dict(value)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _check_pools(where: str, config: CoordinatorConfig) -> None:
+    """A deadline, budget or provisioner prices pools; pools hold instances of the job's size."""
+    if not config.pools:
+        needing = [k for k in ("deadline", "budget", "provisioner") if getattr(config, k) is not None]
+        if needing:
+            raise ConfigError(f"{where}: {', '.join(needing)}: needs pools, the instances the job buys and their prices")
+        return
+    for pool in config.pools:
+        if pool.gpus_per_instance != config.gpus_per_instance:
+            raise ConfigError(f"{where}: pools: pool {pool.name!r} has gpus_per_instance {pool.gpus_per_instance}, "
+                              f"but gpus-per-instance is {config.gpus_per_instance}: set them equal")
 
 
 def _seconds(where: str, key: str, value: Any, minimum: float | None) -> float:
@@ -355,6 +394,8 @@ class Coordinator:
         self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
         grace = optimizer.costs.constants.grace_period_seconds
         self._batch_seconds = min(NOTICE_BATCH_SECONDS, grace / 10)  # a small part of the grace period
+        self._cost = None if not config.pools else CostMeter(
+            Pricing(config.pools, config.deadline, config.budget), store, self._leadership.guard, self._events, scalars)
 
     @property
     def is_leader(self) -> bool:
@@ -446,6 +487,8 @@ class Coordinator:
             log.error("%s; starting a new availability history", exc)
             state = None
         self._store.publish_profile(self._profile, self._leadership.guard())
+        if self._cost is not None:
+            self._cost.resume()
         self._forecaster = make_forecaster(self._config.forecaster, self._interval)
         self._rates = make_rates(self._config.rates, self._interval)
         self._history.clear()
@@ -630,6 +673,8 @@ class Coordinator:
         boundary = self._close_intervals(view.available, now)
         if boundary and self._scalars is not None:
             self._chart()
+        if self._cost is not None:
+            self._cost.count(members, now, boundary)
         if boundary and current is not None:
             self._learn(generation, current)
         self._refit(members)
@@ -1066,7 +1111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, metavar="FILE.yaml",
                         help="profile, model, cost-constants, interval-seconds, lookahead, grace-seconds, "
                              "lease-seconds, max-workers, min-workers, distributed-optimizer, gpus-per-instance, "
-                             "forecaster, rates, tensorboard-dir, sudden-share, copy-interval, save-interval "
+                             "forecaster, rates, tensorboard-dir, sudden-share, copy-interval, save-interval, "
+                             "pools, deadline, budget, provisioner "
                              "(see CoordinatorConfig)")
     parser.add_argument("--events", default=None, metavar="FILE",
                         help="append each published plan to FILE as a JSON line (megatron_parcae/events.py)")

@@ -2,9 +2,10 @@
 
 It only reads: generation and layout (the newest plan), members and their role in the
 layout, preemption notices, the coordinator leading, its last forecast and its last
-published decisions. Everything read is validated like any payload from etcd. A job with
-no key at all is an error, not an empty report: a misspelt --job would look like a job
-that has not started.
+published decisions, and with pools in its config the job's dollars so far, its deadline
+and the projected finish. Everything read is validated like any payload from etcd. A job
+with no key at all is an error, not an empty report: a misspelt --job would look like a
+job that has not started.
 """
 
 from __future__ import annotations
@@ -68,11 +69,35 @@ def collect(store: JobStore) -> dict[str, Any]:
         "leader": None if leader is None else {"candidate": leader.candidate, "pid": leader.pid},
         "forecast": None if state is None else state.forecast,
         "migrations": [] if state is None else state.decisions,
+        "cost": None if (cost := store.cost()) is None else cost.to_dict(),
     }
 
 
 def _clock(at: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+def _date(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+
+
+def _cost_lines(cost: dict[str, Any]) -> list[str]:
+    """Dollars so far by pool, and the deadline against the projected finish and cost."""
+    pools = ", ".join(f"{pool} ${dollars:,.2f}" for pool, dollars in sorted(cost["dollars"].items()))
+    held = ", ".join(f"{pool} {count}" for pool, count in sorted(cost["instances"].items()))
+    lines = [f"dollars: ${sum(cost['dollars'].values()):,.2f} so far ({pools}); ${cost['hourly_dollars']:,.2f} an "
+             f"hour now on instances {held}" + (f"; budget ${cost['budget']:,.2f}" if cost["budget"] else "")]
+    if cost["deadline_at"] is None:
+        return lines
+    lines.append(f"deadline: {cost['target']} {cost['unit']} by {_date(cost['deadline_at'])}, {cost['done']} done")
+    finish = cost["projected_finish_at"]
+    if finish is None:
+        lines.append("projected finish: not known yet (no progress rate)")
+    else:
+        late = finish - cost["deadline_at"]
+        verdict = f"{abs(late) / 3600:.1f} h {'late' if late > 0 else 'early'}"
+        lines.append(f"projected finish: {_date(finish)} ({verdict}), projected cost ${cost['projected_dollars']:,.2f}")
+    return lines
 
 
 def render(status: dict[str, Any]) -> str:
@@ -104,6 +129,8 @@ def render(status: dict[str, Any]) -> str:
         for d in status["migrations"][::-1]:
             lines.append(f"  generation {d['generation']:>4}  {_clock(d['at'])}  {d['kind']:<13} "
                          f"{d['seconds']:8.2f} s expected  {d['reason']}")
+    if status.get("cost") is not None:
+        lines += _cost_lines(status["cost"])
     return "\n".join(lines)
 
 

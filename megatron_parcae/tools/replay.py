@@ -256,6 +256,7 @@ class ParcaeJob:
         self.preemptions = self.arrivals = 0
         self._rng = random.Random(seed)
         self._workers: dict[int, _Process] = {}
+        self._instances: dict[str, int] = {}  # the emulator provisioner's instances, by name
         self._next_id = 0
         self.job = f"replay-{os.getpid()}-{int(time.time())}"
         self._server = EtcdServer().start()
@@ -319,9 +320,9 @@ class ParcaeJob:
         for _ in range(count - len(alive)):
             self._start_worker()
 
-    def _start_worker(self) -> None:
+    def _start_worker(self, instance: str | None = None) -> int:
         """One instance: a worker with the next id, or a torchrun of G workers whose ids
-        etcd hands out."""
+        etcd hands out; named `instance` where the emulator's provisioner names it. Its index."""
         index, self._next_id = self._next_id, self._next_id + 1
         g = self.gpus_per_instance
         name = f"worker-{index}" if g == 1 else f"instance-{index}"
@@ -329,16 +330,28 @@ class ParcaeJob:
         events = self.workdir / f"{name}.events.jsonl"
         flags = [*self.args, "--parcae", "--parcae-etcd", self._server.endpoint, "--parcae-job", self.job,
                  "--parcae-grace-seconds", str(self.grace_seconds), "--parcae-lease-seconds", str(LEASE_SECONDS),
-                 "--parcae-events", str(events)]
+                 "--parcae-events", str(events), *(["--parcae-instance", instance] if instance else [])]
         if g == 1:
             cmd = [sys.executable, self.script, *flags, "--parcae-worker-id", str(index)]
         else:  # torchrun must wait out the grace period after forwarding SIGTERM
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                    f"--nproc-per-node={g}", f"--shutdown-timeout={math.ceil(self.grace_seconds) + 5}",
                    "--log-dir", str(self.workdir / TORCHRUN_LOGS),
-                   self.script, *flags, "--parcae-instance", name]
+                   self.script, *flags, *([] if instance else ["--parcae-instance", name])]
         self.log.follow(events)
         self._workers[index] = _Process(cmd, self.workdir / f"{name}.log", _child_env())
+        return index
+
+    # provisioning/emulator.py's InstanceHost: instances its provisioner asks for, by name.
+
+    def start_instance(self, name: str) -> None:
+        self._instances[name] = self._start_worker(name)
+
+    def stop_instance(self, name: str) -> None:
+        index = self._instances.pop(name)
+        self._workers[index].preempt(self.grace_seconds)
+        self.preemptions += 1
+        self.log.event(f"preempt instance {name}", len(self.alive()))
 
     def check(self) -> bool:
         """Whether training has ended (the coordinator exits then). Fails fast when a process

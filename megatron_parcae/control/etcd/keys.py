@@ -13,6 +13,7 @@ Every key of a job, all under `/parcae/<job>/`:
     progress            ProgressRecord    how far training got; on no lease, it outlives the workers
     done                DoneRecord        training ended
     network             NetworkRecord     the network between two instances, measured once at the start; on no lease
+    cost                CostRecord        dollars so far by pool, projected finish and cost; on no lease
     store/...           (torch store)     the WORLDs' rendezvous (etcd/store.py), `parcae/g<N>/` per generation
 
 Every value is JSON and is validated on read and on write against the record's declared
@@ -188,7 +189,9 @@ class MemberRecord(Record):
     `failure_domain` groups instances that may fail together (a zone, a rack, a switch), so
     that copies are kept across domains; None: not known. `transformer_impl` is its
     --transformer-impl (one of TRANSFORMER_IMPLS), so that no layout mixes two, whose
-    parameters are named differently; None: not said (an older worker)."""
+    parameters are named differently; None: not said (an older worker). `pool` is the
+    pool of the coordinator config its instance was bought from (its price); None: not
+    said, the provisioner's or the config's first pool."""
 
     worker_id: int
     instance: str  # the node it runs on: a preemption, notice or arrival concerns all of its workers
@@ -203,6 +206,7 @@ class MemberRecord(Record):
     failure_domain: str | None = None
     state_of: int | None = None
     transformer_impl: str | None = None
+    pool: str | None = None
 
     SCHEMA = {"worker_id": _WORKER, "instance": _NAME, "pid": Field(int, 1, 2**31 - 1), "registered_at": _TIME,
               "generation": Field(int, 0, MAX_GENERATION), "broken": Field(int, 0, MAX_GENERATION),
@@ -210,7 +214,8 @@ class MemberRecord(Record):
               "model": Field(dict, 1, 32, nullable=True, absent=None),
               "failure_domain": Field(str, 1, 253, nullable=True, absent=None),
               "state_of": Field(int, 0, MAX_GENERATION, nullable=True, absent=None),
-              "transformer_impl": Field(str, 1, 32, nullable=True, absent=None)}
+              "transformer_impl": Field(str, 1, 32, nullable=True, absent=None),
+              "pool": Field(str, 1, 253, nullable=True, absent=None)}
 
     def check(self, where: str) -> None:
         if self.broken > self.generation:
@@ -455,6 +460,54 @@ class NetworkRecord(Record):
             raise SchemaError(f"{where}.peer_instance", f"measured inside instance {self.instance}, not between two")
 
 
+COST_UNITS = ("samples", "iterations")  # what a deadline counts
+MAX_POOLS = 64
+
+
+@dataclass(frozen=True)
+class CostRecord(Record):
+    """What the job has cost and where it is heading, as the coordinator counts it
+    (provisioning/ledger.py): dollars by pool since `started_at`, paid up to `counted_at`
+    for the `instances` (by pool) held then, which cost `hourly_dollars` an hour. With a
+    deadline: `done` of `target` `unit`s (samples or iterations), due at `deadline_at`;
+    the finish projected at the job's recent rate and the dollars by then (None while it
+    has no rate). A restarted coordinator goes on counting from it."""
+
+    started_at: float
+    counted_at: float
+    dollars: dict
+    instances: dict
+    hourly_dollars: float
+    unit: str | None = None
+    done: int = 0
+    target: int | None = None
+    deadline_at: float | None = None
+    projected_finish_at: float | None = None
+    projected_dollars: float | None = None
+    budget: float | None = None
+
+    SCHEMA = {"started_at": _TIME, "counted_at": _TIME, "dollars": Field(dict, 0, MAX_POOLS),
+              "instances": Field(dict, 0, MAX_POOLS), "hourly_dollars": Field(float, 0, 1e12),
+              "unit": Field(str, 1, 32, nullable=True), "done": Field(int, 0, 2**53),
+              "target": Field(int, 1, 2**53, nullable=True), "deadline_at": Field(float, 0, MAX_TIMESTAMP, nullable=True),
+              "projected_finish_at": Field(float, 0, MAX_TIMESTAMP, nullable=True),
+              "projected_dollars": Field(float, 0, 1e15, nullable=True), "budget": Field(float, 0, 1e15, nullable=True)}
+
+    def check(self, where: str) -> None:
+        if self.counted_at < self.started_at:
+            raise SchemaError(f"{where}.counted_at", f"{self.counted_at} is before started_at {self.started_at}")
+        if set(self.instances) != set(self.dollars):
+            raise SchemaError(f"{where}.instances", "expected the pools of dollars")
+        for pool, dollars in self.dollars.items():
+            _NAME.check(pool, f"{where}.dollars key")
+            Field(float, 0, 1e15).check(dollars, f"{where}.dollars.{pool}")
+            Field(int, 0, 2**31 - 1).check(self.instances[pool], f"{where}.instances.{pool}")
+        if self.unit is not None and self.unit not in COST_UNITS:
+            raise SchemaError(f"{where}.unit", f"{self.unit!r} is not one of {', '.join(COST_UNITS)}")
+        if (self.unit is None) != (self.target is None) or (self.target is None) != (self.deadline_at is None):
+            raise SchemaError(where, "unit, target and deadline_at go together")
+
+
 def _body(where: str, cls: type, body: dict) -> Any:
     """A record's body as the reconfig/ object it encodes; that class validates it."""
     try:
@@ -624,6 +677,10 @@ class JobKeys:
     @property
     def network(self) -> str:
         return self.prefix + "network"
+
+    @property
+    def cost(self) -> str:
+        return self.prefix + "cost"
 
     def member(self, worker_id: int) -> str:
         return f"{self.members}{_WORKER.check(worker_id, 'worker id'):010d}"
@@ -868,3 +925,14 @@ class JobStore:
         """Record the job's network measurement; the first one stays. Returns whether this one was written."""
         return self.client.txn([Compare(self.keys.network, "version", "==", 0)],
                                [Put(self.keys.network, record.encode())]).succeeded
+
+    # -- dollars ---------------------------------------------------------------------
+
+    def cost(self) -> CostRecord | None:
+        """What the job has cost so far; None until a coordinator with pools counted it."""
+        kv = self.client.get(self.keys.cost)
+        return None if kv is None else CostRecord.decode(kv.value, kv.key)
+
+    def publish_cost(self, record: CostRecord, guard: Sequence[Compare]) -> bool:
+        """Write the cost record if every condition of `guard` holds (the leader lease)."""
+        return self.client.txn(list(guard), [Put(self.keys.cost, record.encode())]).succeeded
