@@ -3,8 +3,8 @@
 
 Programs (the spot emulator, the benchmarks, the tests) read the events file with
 `read_events` or `EventFollower`, never the log: this module alone knows the log's
-format. `parcae coordinator --events` writes its published plans, and what it learns
-of throughput, of migration costs and of the network, the same way.
+format. `parcae coordinator --events` writes its published plans, what it learns
+of throughput, of migration costs and of the network, and the job's dollars, the same way.
 Free of torch, so that readers load fast.
 """
 
@@ -167,9 +167,15 @@ class LayoutChange(Event):
     resident_mib: float | None = None
     source: str | None = None
     lost_steps: int = 0
-    device_peak_mib: float | None = None  # of the reporting process during the change (GPU only)
-    steady_device_peak_mib: float | None = None  # and before it
+    # The reporting process's memory (reconfig.execute._ChangeRecord): its device's peak
+    # during the change (on CPU the executor's count of state on the data plane), before it
+    # in the old layout and as the new one was built, and its host copies of state.
+    device_peak_mib: float | None = None
+    steady_device_peak_mib: float | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    new_device_mib: float | None = None
+    host_peak_mib: float | None = None
+    state_mib: float | None = None  # one host copy of the reporting worker's state
 
     @classmethod
     def of_migration(cls, generation: int, iteration: int, figures: ChangeFigures, source: str | None = None,
@@ -178,7 +184,9 @@ class LayoutChange(Event):
         return cls(generation, iteration, figures.kind, p.tp, p.pp, p.dp, figures.seconds, figures.bytes_planned,
                    figures.process_groups, figures.resident_mib, source, lost_steps,
                    device_peak_mib=figures.device_peak_mib,
-                   steady_device_peak_mib=figures.steady_device_peak_mib, phases=dict(figures.phases))
+                   steady_device_peak_mib=figures.steady_device_peak_mib, phases=dict(figures.phases),
+                   new_device_mib=figures.new_device_mib, host_peak_mib=figures.host_peak_mib,
+                   state_mib=figures.state_mib)
 
     def log_line(self) -> str:
         head = f" layout change at iteration {self.iteration} (generation {self.generation}): "
@@ -187,7 +195,8 @@ class LayoutChange(Event):
         if self.kind == "restart":
             return f"{head}restart {to} from {self.source}, {self.lost_steps} steps lost, {ms}"
         device = "" if self.device_peak_mib is None else (
-            f", device peak {self.device_peak_mib:.0f} MiB ({self.steady_device_peak_mib or 0.0:.0f} MiB before)")
+            f", device peak {self.device_peak_mib:.0f} MiB ({self.steady_device_peak_mib or 0.0:.0f} MiB before, "
+            f"{self.new_device_mib or 0.0:.0f} after), host copies {self.host_peak_mib or 0.0:.0f} MiB")
         phases = "" if not self.phases else (
             " (" + ", ".join(f"{name} {seconds * 1000.0:.0f}" for name, seconds in self.phases.items()) + " ms)")
         recovered = "" if self.source is None else f" from {self.source}, {self.lost_steps} steps lost"
@@ -323,9 +332,29 @@ class NetworkMeasured(Event):
     prior_transfer_bytes_per_second: float
 
 
+@dataclass(frozen=True)
+class Cost(Event):
+    """What the job has cost, by pool, and where it is heading (the coordinator's cost
+    record, etcd/keys.py's CostRecord): `instances` held now by pool at `hourly_dollars`
+    an hour; with a deadline, `done` of `target` `unit`s due at `deadline_at` (Unix
+    seconds), the finish projected at the job's recent rate and the dollars by then."""
+
+    NAME = "cost"
+    dollars: dict[str, float]
+    instances: dict[str, int]
+    hourly_dollars: float
+    unit: str | None
+    done: int
+    target: int | None
+    deadline_at: float | None
+    projected_finish_at: float | None
+    projected_dollars: float | None
+    budget: float | None = None
+
+
 KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in
                                  (Iteration, Evaluation, Save, Load, LayoutChange, ChangeRetried, CopiesKept, PlanPublished,
-                                  ThroughputLearned, MigrationCostLearned, NetworkMeasured)}
+                                  ThroughputLearned, MigrationCostLearned, NetworkMeasured, Cost)}
 _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
 TrainingEvent = Iteration | Evaluation | Save | Load | LayoutChange | ChangeRetried | CopiesKept
 

@@ -185,10 +185,11 @@ def _parse_header(raw: bytes, src: int, expected: int) -> list[tuple[str, str, i
 
 
 def _exchange(plan: MigrationPlan, world: World, held: HeldState | None,
-              copies: dict[int, HeldState]) -> list[_Received]:
+              copies: dict[int, HeldState]) -> tuple[list[_Received], int]:
     """Send and receive this worker's transfers (reconfig/transfer.py), one message each:
     a header listing (name, key, count) and the values. `copies`: the lost workers'
-    states this worker holds copies of, by worker."""
+    states this worker holds copies of, by worker. Returns what it received, and the
+    host bytes of the messages that brought it."""
     me, rank_of = world.worker, {w: r for r, w in enumerate(world.members)}
     sends, receives, local = [], [], []
     for index, t in enumerate(plan.transfers):
@@ -207,84 +208,98 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None,
             receives.append(transfer.Incoming(rank_of[t.src], index))
     try:
         arrived = transfer.exchange(sends, receives, world.collective_timeout,
-                                    what=f"the migration to {plan.new.parallelism}").messages
+                                    what=f"the migration to {plan.new.parallelism}")
     except transfer.TransferBroken as exc:
         raise PayloadBroken(str(exc)) from None
+    arrived_bytes = sum(m.payload.numel() * 4 for m in arrived.messages.values())
+    _change.count(device=arrived.in_flight_bytes,
+                  host=held_bytes(held, *copies.values()) + sum(m.payload.numel() * 4 for m in sends) + arrived_bytes)
     del sends
     received = local
     for index, t in enumerate(plan.transfers):
         if t.dst != me or t.src == me:
             continue
-        message = arrived[rank_of[t.src], index]
+        message = arrived.messages[rank_of[t.src], index]
         offset = 0
         for name, key, count in _parse_header(message.header, t.src, message.payload.numel()):
             received.append(_Received(name, key, t.split_range, t.shard_range,
                                       message.payload[offset: offset + count]))
             offset += count
-    return received
+    return received, arrived_bytes
 
 
-def _assemble(runtime: Runtime, held: HeldState | None, received: list[_Received],
-              sharded_keys: tuple[str, ...]) -> dict[str, dict[str, torch.Tensor]]:
-    """Every new local parameter's state, in host memory: what this worker kept plus what
-    it received.
+def _fill(runtime: Runtime, held: HeldState | None, received: list[_Received], sharded_keys: tuple[str, ...],
+          step: int) -> int:
+    """Write every new local parameter's state into the new layout: what this worker kept
+    plus what it received, a group of parameters at a time (at most GATHER_CHUNK_ELEMENTS
+    elements each, so host memory holds one group's assembled state). Returns the most
+    bytes a group held.
 
     Keys in `sharded_keys` (distributed-optimizer moments) arrive only for this rank's
-    DP shard; the disjoint shards are summed over the new DP group to make them whole, a
-    chunk at a time on the data plane.
+    DP shard; the disjoint shards are summed over the new DP group to make them whole, on
+    the data plane (every DP rank of a stage has the same parameters, in the same order).
     """
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     own_shard = (Fraction(dp_rank, dp_size), Fraction(dp_rank + 1, dp_size))
     shards = {s.global_name: s for chunk in runtime.model for s in param_shards(unwrap(chunk))}
-    states: dict[str, dict[str, torch.Tensor]] = {}
-    filled: dict[tuple[str, str], torch.Tensor] = {}
-    for name, shard in shards.items():
-        states[name] = {}
-        for key in STATE_KEYS:
-            states[name][key] = torch.zeros(shard.param.shape, dtype=torch.float32)
-            filled[name, key] = torch.zeros(shard.param.shape, dtype=torch.bool)
-        if held is None or name not in held.tensors:
-            continue
+    pieces: dict[str, list[_Received]] = {name: [] for name in shards}
+    for piece in received:
+        if piece.name not in shards:
+            raise MigrationError(f"received {piece.name}, which this rank's new stage does not hold")
+        pieces[piece.name].append(piece)
+    names = list(shards)
+    most = 0
+    for group in chunks_of([shards[n].param.numel() for n in names], optimizer_state.GATHER_CHUNK_ELEMENTS):
+        states = {names[i]: _assembled(shards[names[i]], held, pieces[names[i]], tp_rank, tp_size, own_shard,
+                                       sharded_keys) for i in group}
+        if sharded_keys and dp_size > 1:
+            parts = [states[names[i]][k].view(-1) for i in group for k in sharded_keys]
+            flat = planes.on_data_plane(torch.cat(parts))
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            summed = planes.host_copy(flat)
+            planes.host_copies_done()
+            offset = 0
+            for part in parts:
+                part.copy_(summed[offset: offset + part.numel()])
+                offset += part.numel()
+            del flat, summed
+        most = max(most, sum(t.numel() * t.element_size() for tensors in states.values() for t in tensors.values()))
+        import_param_states(runtime.model, runtime.optimizer, states, step, partial=True)
+    return most
+
+
+def _assembled(shard: ParamShard, held: HeldState | None, pieces: list[_Received], tp_rank: int, tp_size: int,
+               own_shard: Range, sharded_keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """One new parameter's state in host memory, checked to be whole."""
+    name = shard.global_name
+    states = {key: torch.zeros(shard.param.shape, dtype=torch.float32) for key in STATE_KEYS}
+    filled = {key: torch.zeros(shard.param.shape, dtype=torch.bool) for key in STATE_KEYS}
+    if held is not None and name in held.tensors:
         old = held.shards[name]
         kept: Range | None = None
         if shard.partition_dim is not None:
             kept = (max(Fraction(held.tp_rank, held.tp_size), Fraction(tp_rank, tp_size)),
                     min(Fraction(held.tp_rank + 1, held.tp_size), Fraction(tp_rank + 1, tp_size)))
-            if kept[0] >= kept[1]:
-                continue
-        for key in STATE_KEYS:
-            _region(states[name][key], shard, tp_rank, tp_size, kept, _WHOLE).copy_(
-                _region(held.tensors[name][key], old, held.tp_rank, held.tp_size, kept, _WHOLE))
-            _region(filled[name, key], shard, tp_rank, tp_size, kept, _WHOLE).fill_(True)
-    for piece in received:
-        shard = shards.get(piece.name)
-        if shard is None:
-            raise MigrationError(f"received {piece.name}, which this rank's new stage does not hold")
+        if kept is None or kept[0] < kept[1]:
+            for key in STATE_KEYS:
+                _region(states[key], shard, tp_rank, tp_size, kept, _WHOLE).copy_(
+                    _region(held.tensors[name][key], old, held.tp_rank, held.tp_size, kept, _WHOLE))
+                _region(filled[key], shard, tp_rank, tp_size, kept, _WHOLE).fill_(True)
+    for piece in pieces:
         split = piece.split_range if shard.partition_dim is not None else None
-        target = _region(states[piece.name][piece.key], shard, tp_rank, tp_size, split, piece.shard_range)
+        target = _region(states[piece.key], shard, tp_rank, tp_size, split, piece.shard_range)
         if target.numel() != piece.values.numel():
-            raise MigrationError(f"received {piece.values.numel()} values of {piece.name} {piece.key}, "
+            raise MigrationError(f"received {piece.values.numel()} values of {name} {piece.key}, "
                                  f"its slice holds {target.numel()}")
         target.copy_(piece.values.view(target.shape))
-        _region(filled[piece.name, piece.key], shard, tp_rank, tp_size, split, piece.shard_range).fill_(True)
-    for (name, key), mask in filled.items():
-        needed = _region(mask, shards[name], tp_rank, tp_size, None, own_shard if key in sharded_keys else _WHOLE)
+        _region(filled[piece.key], shard, tp_rank, tp_size, split, piece.shard_range).fill_(True)
+    for key, mask in filled.items():
+        needed = _region(mask, shard, tp_rank, tp_size, None, own_shard if key in sharded_keys else _WHOLE)
         if not bool(needed.all()):
             raise MigrationError(f"{name} ({key}): {int((~needed).sum())} values neither kept nor received")
         if key in sharded_keys:
-            states[name][key].masked_fill_(~_own(mask, shards[name], tp_rank, tp_size, own_shard), 0.0)
-    if sharded_keys and dp_size > 1:
-        parts = [states[n][k].view(-1) for n in shards for k in sharded_keys]
-        for chunk in chunks_of([p.numel() for p in parts], optimizer_state.GATHER_CHUNK_ELEMENTS):
-            flat = planes.on_data_plane(torch.cat([parts[i] for i in chunk]))
-            dist.all_reduce(flat, group=ps.get_data_parallel_group())
-            summed = planes.host_copy(flat)
-            planes.host_copies_done()
-            offset = 0
-            for i in chunk:
-                parts[i].copy_(summed[offset: offset + parts[i].numel()])
-                offset += parts[i].numel()
+            states[key].masked_fill_(~_own(mask, shard, tp_rank, tp_size, own_shard), 0.0)
     return states
 
 
@@ -360,29 +375,69 @@ def _agree_on_progress(held: HeldState | None, consumed_samples: int) -> tuple[C
     return Counters(step, scheduler_steps, scale), consumed
 
 
+def state_bytes(runtime: Runtime) -> int:
+    """The bytes a layout's state occupies where it trains: parameters, gradient buffers,
+    the optimizer's main parameters and moments (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def add(tensor) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+
+    for chunk in runtime.model:
+        for param in chunk.parameters():
+            add(param)
+            add(getattr(param, "main_grad", None))
+    for opt in optimizer_state.torch_optimizers(runtime.optimizer):
+        for group in opt.param_groups:
+            for param in group["params"]:
+                add(param)
+                for value in opt.state.get(param, {}).values():
+                    add(value)
+    return sum(storages.values())
+
+
+def held_bytes(*states: HeldState | None) -> int:
+    """Host bytes of held states (each tensor once)."""
+    return sum(t.numel() * t.element_size() for held in states if held is not None
+               for tensors in held.tensors.values() for t in tensors.values())
+
+
 class _ChangeRecord:
     """What this process measures of its current layout change: the seconds of each
-    phase (reconfig/phases.py), each lap from the end of the one before, and its peak
-    device memory before and during the change (None without a GPU), which must stay
-    near the steady state's.
+    phase (reconfig/phases.py), each lap from the end of the one before, and the memory
+    it holds: the device's (`torch.cuda.max_memory_allocated` on a GPU; on CPU, where
+    the data plane is host memory, the executor's own count of the layout state and the
+    chunks in flight it holds) and the host copies of state it keeps, against the old
+    and the new layout's steady state.
 
     A change begins when `hand_over` takes the state out of the old layout, or, for a
     worker that holds nothing or kept its state from a broken layout, when `migrate` starts.
     """
 
     def __init__(self) -> None:
-        self.steady_mib: float | None = None
         self.seconds: dict[str, float] = {}
         self.rolled_back_samples = 0  # a recovery from copies went back this far
         self._handed_over = False
         self._mark = time.perf_counter()
+        self.steady_bytes: int | None = None  # the old layout's, before the change
+        self.new_steady_bytes: int | None = None
+        self.device_peak = 0
+        self.host_peak = 0
+        self.state_bytes = 0  # one host copy of this worker's state, the old layout's or the new one's
 
-    def begin(self, handing_over: bool = False) -> None:
+    def begin(self, handing_over: bool = False, runtime: Runtime | None = None) -> None:
         self.seconds = {}
         self._handed_over = handing_over
+        self.device_peak = self.host_peak = self.state_bytes = 0
+        self.new_steady_bytes = None
         if torch.cuda.is_available():
-            self.steady_mib = torch.cuda.max_memory_allocated() / 2**20
+            self.steady_bytes = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+        else:
+            self.steady_bytes = None if runtime is None else state_bytes(runtime)
+            self.count(device=self.steady_bytes or 0)
         self._mark = time.perf_counter()
 
     def enter_migration(self) -> None:
@@ -391,15 +446,25 @@ class _ChangeRecord:
             self.begin()
         self._handed_over = False
 
+    def count(self, device: int = 0, host: int = 0) -> None:
+        """This process holds `device` bytes of state on the data plane and `host` bytes of
+        host copies at this point of the change (the executor's count)."""
+        self.device_peak = max(self.device_peak, device)
+        self.host_peak = max(self.host_peak, host)
+
+    def built(self, runtime: Runtime) -> None:
+        self.new_steady_bytes = state_bytes(runtime)
+        local = sum(s.param.numel() for chunk in runtime.model for s in param_shards(unwrap(chunk)))
+        self.state_bytes = max(self.state_bytes, 4 * len(STATE_KEYS) * local)
+
     def lap(self, phase: str) -> None:
         """The time since the previous lap was spent in `phase`."""
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._mark
         self._mark = now
 
-    @staticmethod
-    def since_begin_mib() -> float | None:
-        return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+    def device_peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else self.device_peak
 
 
 _change = _ChangeRecord()
@@ -407,8 +472,9 @@ _change = _ChangeRecord()
 
 def hand_over(runtime: Runtime) -> HeldState:
     """Take this worker's state out of its layout, then drop the layout."""
-    _change.begin(handing_over=True)
+    _change.begin(handing_over=True, runtime=runtime)
     held = export_held_state(runtime)
+    _change.count(device=_change.steady_bytes or 0, host=held_bytes(held))
     _change.lap(phases.EXPORT)
     release_runtime(runtime)
     _change.lap(phases.WORLD)
@@ -470,10 +536,13 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
     known = None
     if plan.request.copies is not None:
         held, copies, consumed_samples, known = _roll_back(plan, world.worker, snapshots, consumed_samples)
+    kept = held_bytes(held, *copies.values())
+    _change.count(host=kept)
+    _change.state_bytes = max(_change.state_bytes, held_bytes(held))
     counters, consumed_samples = _agree_on_progress(held, consumed_samples)
     _change.rolled_back_samples = 0 if known is None else max(0, known - consumed_samples)
     _change.lap(phases.WORLD)
-    received = _exchange(plan, world, held, copies)
+    received, received_bytes = _exchange(plan, world, held, copies)
     _change.lap(phases.EXCHANGE)
     if world.worker not in new_slots:
         world.leave()
@@ -484,9 +553,11 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
     with built_layout(build, plan.new.parallelism, world, generation) as new_runtime:
         _change.lap(phases.BUILD)
         initialize_optimizer_states(new_runtime.optimizer)
+        _change.built(new_runtime)
         sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
-        states = _assemble(new_runtime, held, received, sharded)
-        import_param_states(new_runtime.model, new_runtime.optimizer, states, counters.step)
+        group_bytes = _fill(new_runtime, held, received, sharded, counters.step)
+        _change.count(device=_change.new_steady_bytes + (8 * optimizer_state.GATHER_CHUNK_ELEMENTS if sharded else 0),
+                      host=kept + received_bytes + group_bytes)
         load_loss_scale_state(new_runtime.optimizer, counters.loss_scale)
     new_runtime.scheduler.num_steps = counters.scheduler_steps
     new_runtime.scheduler.step(increment=0)
@@ -524,14 +595,21 @@ class ChangeFigures:
     seconds: float  # from `started` until the new layout could train
     process_groups: int  # live after it (a leak shows here)
     resident_mib: float
-    device_peak_mib: float | None  # during the change (None without a GPU)
-    steady_device_peak_mib: float | None  # before it, in the old layout
+    device_peak_mib: float  # during the change (see _ChangeRecord)
+    steady_device_peak_mib: float | None  # before it, in the old layout (None: this process held none)
     phases: dict[str, float]  # seconds of each phase (reconfig/phases.py) of this process
     rolled_back_samples: int  # consumed samples retrained: a recovery from copies went back
+    new_device_mib: float | None  # the new layout's steady state, as built
+    host_peak_mib: float  # host copies of state held during the change
+    state_mib: float  # one host copy of this worker's state (the larger of its old and new)
 
 
 def change_figures(plan: MigrationPlan, started: float) -> ChangeFigures:
     """The figures of `plan`, applied since time.perf_counter() read `started`."""
+    mib = 2.0**-20
     return ChangeFigures(plan.kind, plan.new.parallelism, plan.bytes_total(), time.perf_counter() - started,
-                         live_process_groups(), resident_mib(), _change.since_begin_mib(), _change.steady_mib,
-                         dict(_change.seconds), _change.rolled_back_samples)
+                         live_process_groups(), resident_mib(), _change.device_peak_bytes() * mib,
+                         None if _change.steady_bytes is None else _change.steady_bytes * mib,
+                         dict(_change.seconds), _change.rolled_back_samples,
+                         None if _change.new_steady_bytes is None else _change.new_steady_bytes * mib,
+                         _change.host_peak * mib, _change.state_bytes * mib)

@@ -42,6 +42,11 @@ def _optimizers(optimizer) -> list:
     return list(optimizer.chained_optimizers) if isinstance(optimizer, ChainedOptimizer) else [optimizer]
 
 
+def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers under a megatron-core optimizer (chained or not)."""
+    return [opt.optimizer for opt in _optimizers(optimizer)]
+
+
 def _main_params(opt) -> dict[torch.nn.Parameter, torch.Tensor]:
     """model param -> fp32 main param, for a plain (not distributed) megatron optimizer."""
     if hasattr(opt, "float16_groups"):
@@ -218,17 +223,19 @@ def _gather_distributed(opt: DistributedOptimizer, shards: list[ParamShard],
     return out
 
 
-def import_param_states(model_chunks, optimizer, states: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-    """Write main weights, moments and step count for every local parameter, by global name.
+def import_param_states(model_chunks, optimizer, states: dict[str, dict[str, torch.Tensor]], step: int,
+                        partial: bool = False) -> None:
+    """Write main weights, moments and step count for every local parameter, by global name
+    (with `partial`, for those `states` has: a caller that fills the layout a part at a time).
 
     `states[global_name][key]` is shaped like this rank's TP shard. Optimizer states must
     exist (`initialize_optimizer_states`).
     """
     shards = _shards(model_chunks)
     missing = sorted({s.global_name for s in shards} - states.keys())
-    if missing:
+    if missing and not partial:
         raise KeyError(f"no state for parameters {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    by_param = {s.param: states[s.global_name] for s in shards}
+    by_param = {s.param: states[s.global_name] for s in shards if s.global_name in states}
     with torch.no_grad():
         for opt in _optimizers(optimizer):
             if isinstance(opt, DistributedOptimizer):
@@ -244,7 +251,9 @@ def import_param_states(model_chunks, optimizer, states: dict[str, dict[str, tor
                             local[key].copy_(tensors[key].reshape(-1)[rng.start: rng.end].view_as(local[key]))
                 continue
             for model_param, main in _main_params(opt).items():
-                tensors = by_param[model_param]
+                tensors = by_param.get(model_param)
+                if tensors is None:
+                    continue
                 main.copy_(tensors["param"])
                 model_param.copy_(tensors["param"])
                 state = opt.optimizer.state[main]

@@ -25,15 +25,21 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import xxhash
 
 from reconfig import planes
+from reconfig.timeouts import exchange_timeout
+from reconfig.world import patient
 
-CHUNK_ELEMENTS = 1 << 24  # fp32 elements per message per step: 64 MiB on the device at a time
+CHUNK_ELEMENTS = 1 << 24  # fp32 elements in flight per rank and step: 64 MiB of device memory
 MAX_ELEMENTS = 1 << 40
+# What an exchange's timeout assumes of the link where no rate is given: slower than any
+# data-centre network, so that only a stalled peer reaches it.
+LINK_BYTES_PER_SECOND = 1e9
 
 
 class TransferBroken(RuntimeError):
@@ -125,21 +131,32 @@ class _Staging:
         return planes.as_data_plane(self.buffer[:count])
 
 
-def exchange(sends: Sequence[Outgoing], receives: Sequence[Incoming], host_buffer: HostBuffer | None = None,
-             chunk: int | None = None, what: str = "exchange") -> Exchanged:
+def exchange(sends: Sequence[Outgoing], receives: Sequence[Incoming], usual: timedelta,
+             host_buffer: HostBuffer | None = None, chunk: int | None = None, what: str = "exchange",
+             link_bytes_per_second: float | None = None) -> Exchanged:
     """Send `sends` and receive `receives` (collective over WORLD: every member calls it,
     with nothing to move if so). Returns what arrived by (peer, tag), checked; raises
     TransferBroken on every rank if any message anywhere failed its checks.
 
     A step moves at most `chunk` elements through each rank's device in all: the
-    messages of the busiest rank share it."""
+    messages of the busiest rank share it. WORLD's collectives wait as long as the
+    busiest rank's bytes take over the link (`exchange_timeout`), then `usual` again."""
     sends = sorted(sends, key=lambda m: (m.peer, m.tag))
     receives = sorted(receives, key=lambda m: (m.peer, m.tag))
-    busiest = planes.data_buffer(1, torch.int64)
-    busiest.fill_(len(sends) + len(receives))
-    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)  # also sets the data plane's communicator up with every rank
-    part = max(1, (chunk or CHUNK_ELEMENTS) // max(1, int(busiest.item())))
+    rate = link_bytes_per_second or LINK_BYTES_PER_SECOND
+    with patient(None, exchange_timeout(0, rate), usual):
+        busiest = planes.data_buffer(2, torch.int64)
+        busiest[0] = len(sends) + len(receives)
+        busiest[1] = 4 * sum(m.payload.numel() for m in sends)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)  # also sets the data plane's communicator up with every rank
+        messages, nbytes = (int(x) for x in busiest.tolist())
+        with patient(None, exchange_timeout(nbytes, rate), usual):
+            return _exchange(sends, receives, host_buffer, max(1, (chunk or CHUNK_ELEMENTS) // max(1, messages)),
+                             what)
 
+
+def _exchange(sends: list[Outgoing], receives: list[Incoming], host_buffer: HostBuffer | None, part: int,
+              what: str) -> Exchanged:
     posted = []
     for m in sends:
         wire = _wire_header(m, part)

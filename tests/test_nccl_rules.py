@@ -11,8 +11,10 @@ and training goes on exactly as an uninterrupted run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from collective_probe import _replay, read_findings
 from helpers import (ITERS, REPO, SMALL_GPT, Run, assert_close, assert_same_state, child_env, computed_folder,
                      layout_flags, losses, shared_losses, torchrun, wait_for, worker_events)
 from megatron_parcae import events
-from megatron_parcae.events import CopiesKept, LayoutChange, logged_steps
+from megatron_parcae.events import CopiesKept, LayoutChange, logged_steps, read_events
 
 SCHEDULED_ITERS = 12
 
@@ -102,6 +104,18 @@ def _under_probe(tmp_path: Path, nproc: int, pp: int, schedule: str, *extra: str
         timeout=400, probe=tmp_path / "probe")
 
 
+# Under the probe an exchange moves 65536 elements per rank and step (collective_probe.py),
+# and the distributed optimizer sums 4096 elements of two moments at a time.
+CHUNK_MIB = (65536 * 4 + 4096 * 8) / 2**20
+
+
+def _within_one_chunk(change: LayoutChange) -> None:
+    """The device held at most the larger of the old and the new layout's state plus one
+    chunk in flight (10% for rounding): the old layout is gone before the new is built."""
+    assert change.device_peak_mib <= (max(change.steady_device_peak_mib, change.new_device_mib) + CHUNK_MIB) * 1.1, \
+        change
+
+
 @pytest.mark.slow
 def test_every_kind_of_change_keeps_to_nccls_rules(reference_run, tmp_path):
     """Tensor, T and P together, pipeline and intra-stage changes on four processes, then
@@ -110,6 +124,8 @@ def test_every_kind_of_change_keeps_to_nccls_rules(reference_run, tmp_path):
     run = _under_probe(tmp_path / "four", 4, 2, "3:2,2,1;5:1,4,1;7:1,2,2;9:1,2,1:leave=1,3")
     assert_close(losses(run), reference)
     assert [c.kind for c in run.of(LayoutChange)] == ["tensor", "tensor", "pipeline", "intra-stage"]
+    for change in run.of(LayoutChange):
+        _within_one_chunk(change)
     sites, violations = read_findings(tmp_path / "four" / "probe")
     assert not violations, violations
     assert any(site.startswith("reconfig/transfer.py:exchange:batch_isend_irecv") for site, _ in sites), sites
@@ -117,6 +133,8 @@ def test_every_kind_of_change_keeps_to_nccls_rules(reference_run, tmp_path):
                        "--use-distributed-optimizer")
     assert_close(losses(run), reference)
     assert [c.kind for c in run.of(LayoutChange)] == ["inter-stage", "inter-stage", "tensor"]
+    for change in run.of(LayoutChange):
+        _within_one_chunk(change)
     _, violations = read_findings(tmp_path / "six" / "probe")
     assert not violations, violations
 
@@ -148,21 +166,41 @@ def test_a_damaged_migration_is_taken_again(reference_run, tmp_path, monkeypatch
     assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(SCHEDULED_ITERS)])
 
 
+def _no_replicas(tmp_path: Path, memory: float, max_workers: int) -> None:
+    """Point the live job's coordinator at a profile that fits GPT-tiny only in at least
+    two (4.4e7 bytes) or three (4e7) pipeline stages and prices data parallelism high:
+    every worker's snapshot then has a copy on another instance."""
+    profile = json.loads((REPO / "configs/profiles/gpt-tiny-cpu.json").read_text())
+    (tmp_path / "profile.json").write_text(json.dumps({**profile, "max_tensor_parallel": 1,
+                                                       "gpu_memory_bytes": memory, "link_bytes_per_second": 1e6}))
+    config = tmp_path / "coordinator.yaml"
+    config.write_text("\n".join(f"profile: {tmp_path / 'profile.json'}" if line.startswith("profile:")
+                                else f"max-workers: {max_workers}" if line.startswith("max-workers:") else line
+                                for line in config.read_text().splitlines()) + "\n")
+
+
 @pytest.mark.slow
 def test_snapshots_of_two_and_three_instances_and_damaged_copies(live_job, uninterrupted, monkeypatch):
-    """Two workers keep each other's snapshots every 2 steps; a third joins and the three
-    keep them in a ring. The first copy exchanged arrives with a flipped byte, a later one
-    cut short: neither is committed, each exchange is taken again, and every step trains
-    as in an uninterrupted run. The probe (live_job) checks NCCL's rules throughout."""
+    """Two workers, one pipeline stage each, keep each other's snapshots every 2 steps;
+    then a third joins and the three keep them in a ring. The first copy exchanged
+    arrives with a flipped byte, one after the join cut short: neither is committed,
+    each exchange is taken again, and every step trains as in an uninterrupted run. The
+    probe (live_job) checks NCCL's rules throughout."""
     store, coordinator, worker, tmp_path = live_job
+    _no_replicas(tmp_path, 4.4e7, 2)
     _damaging(monkeypatch, tmp_path, "snapshot:flip")
     processes = {w: worker(w, "--parcae-copy-interval", "2") for w in (0, 1)}
     wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
-    coordinator("a")
+    first = coordinator("a")
     wait_for(lambda: sum(isinstance(e, CopiesKept) and e.has_ward for e in worker_events(tmp_path)) >= 2, 240,
              "two snapshots with copies on two instances")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=30) == 0
+    _no_replicas(tmp_path, 4e7, 3)
     monkeypatch.setenv("PARCAE_TEST_DAMAGE", "snapshot:truncate")
     processes[2] = worker(2, "--parcae-copy-interval", "2")
+    wait_for(lambda: len(store.members()) == 3, 120, "the third worker to register")
+    coordinator("b")
     grown = wait_for(lambda: store.current_generation() > 1 and len(store.latest_plan().layout["slots"]) == 3
                      and store.latest_plan(), 240, "the layout of three")
     wait_for(lambda: sum(isinstance(e, CopiesKept) and e.generation == grown.generation and e.has_ward
@@ -178,3 +216,24 @@ def test_snapshots_of_two_and_three_instances_and_damaged_copies(live_job, unint
     assert sorted({e.iteration for e in trained}) == list(range(1, ITERS + 1))
     for e in trained:
         assert_close({e.iteration: e.losses["lm loss"]}, {e.iteration: uninterrupted[e.iteration]})
+
+
+@pytest.mark.slow
+def test_snapshot_memory_is_allocated_once_per_layout(live_job):
+    """Fifty steps with a snapshot every five, two workers keeping each other's copies:
+    each layout allocates its own and its ward's host blocks once, and they hold the
+    snapshot and nothing else."""
+    store, coordinator, worker, tmp_path = live_job
+    _no_replicas(tmp_path, 4.4e7, 2)
+    processes = [worker(w, "--parcae-copy-interval", "5", "--train-iters", "50") for w in (0, 1)]
+    wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
+    coordinator("a")
+    for w, p in enumerate(processes):
+        assert p.wait(timeout=400) == 0, (tmp_path / f"worker-{w}.log").read_text()[-3000:]
+    kept = [e for e in worker_events(tmp_path) if isinstance(e, CopiesKept)]
+    layouts = {e.generation for e in kept}
+    assert len(kept) >= 9 and all(e.committed and e.has_ward for e in kept), kept
+    for path in tmp_path.glob("worker-*.events.jsonl"):  # a layout's rank 0 reports its own
+        mine = [e for e in read_events(path) if isinstance(e, CopiesKept)]
+        assert not mine or mine[-1].allocations <= 2 * len(layouts), mine
+    assert all(e.host_mib <= e.mib + CHUNK_MIB for e in kept), kept
