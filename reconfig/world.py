@@ -284,10 +284,12 @@ class World:
             self._watching.start()
 
     def close(self) -> None:
-        """Stop `watch`."""
+        """Stop `watch`. Its thread may be inside a store read that an unreachable etcd
+        holds for its whole retry bound; it is a daemon and stops at its next check, so
+        it is waited for one second at most (a stopping worker must not wait on etcd)."""
         self._closed.set()
         if self._watching is not None:
-            self._watching.join()
+            self._watching.join(timeout=1.0)
             self._watching = None
 
     def _watch(self, period: float) -> None:

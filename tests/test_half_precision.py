@@ -86,11 +86,13 @@ def test_in_place_change_equals_checkpoint_restart(tiny_data, tmp_path, precisio
     assert not violations, violations
     expected = {("megatron_parcae/training/runtime.py:_global_mean_losses:all_reduce", "control"),
                 ("reconfig/execute.py:_agree_on_progress:all_reduce", "control"),
-                ("reconfig/execute.py:_exchange:isend", "control"), ("reconfig/execute.py:_exchange:isend", "data"),
-                ("reconfig/execute.py:_exchange:irecv", "control"), ("reconfig/execute.py:_exchange:irecv", "data"),
+                ("reconfig/transfer.py:exchange:all_reduce", "data"),
+                ("reconfig/transfer.py:_exchange:isend", "control"), ("reconfig/transfer.py:_exchange:recv", "control"),
+                ("reconfig/transfer.py:_exchange:batch_isend_irecv", "data"),
+                ("reconfig/transfer.py:_exchange:all_reduce", "control"),
                 ("megatron_parcae/training/checkpointing.py:behind:all_reduce", "control"),
                 ("reconfig/planes.py:control_barrier:all_reduce", "control")}
     if distributed_optimizer:
         expected |= {("reconfig/optimizer_state.py:_gather_distributed:all_reduce", "data"),
-                     ("reconfig/execute.py:_assemble:all_reduce", "data")}
+                     ("reconfig/execute.py:_fill:all_reduce", "data")}
     assert expected <= sites, expected - sites
