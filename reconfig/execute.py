@@ -229,11 +229,11 @@ def _exchange(plan: MigrationPlan, world: World, held: HeldState | None,
 
 
 def _fill(runtime: Runtime, held: HeldState | None, received: list[_Received], sharded_keys: tuple[str, ...],
-          step: int) -> int:
+          step: int) -> tuple[int, int]:
     """Write every new local parameter's state into the new layout: what this worker kept
     plus what it received, a group of parameters at a time (at most GATHER_CHUNK_ELEMENTS
     elements each, so host memory holds one group's assembled state). Returns the most
-    bytes a group held.
+    bytes a group held in host memory, and on the data plane.
 
     Keys in `sharded_keys` (distributed-optimizer moments) arrive only for this rank's
     DP shard; the disjoint shards are summed over the new DP group to make them whole, on
@@ -249,13 +249,14 @@ def _fill(runtime: Runtime, held: HeldState | None, received: list[_Received], s
             raise MigrationError(f"received {piece.name}, which this rank's new stage does not hold")
         pieces[piece.name].append(piece)
     names = list(shards)
-    most = 0
+    most = on_device = 0
     for group in chunks_of([shards[n].param.numel() for n in names], optimizer_state.GATHER_CHUNK_ELEMENTS):
         states = {names[i]: _assembled(shards[names[i]], held, pieces[names[i]], tp_rank, tp_size, own_shard,
                                        sharded_keys) for i in group}
         if sharded_keys and dp_size > 1:
             parts = [states[names[i]][k].view(-1) for i in group for k in sharded_keys]
             flat = planes.on_data_plane(torch.cat(parts))
+            on_device = max(on_device, flat.numel() * flat.element_size())
             dist.all_reduce(flat, group=ps.get_data_parallel_group())
             summed = planes.host_copy(flat)
             planes.host_copies_done()
@@ -266,7 +267,7 @@ def _fill(runtime: Runtime, held: HeldState | None, received: list[_Received], s
             del flat, summed
         most = max(most, sum(t.numel() * t.element_size() for tensors in states.values() for t in tensors.values()))
         import_param_states(runtime.model, runtime.optimizer, states, step, partial=True)
-    return most
+    return most, on_device
 
 
 def _assembled(shard: ParamShard, held: HeldState | None, pieces: list[_Received], tp_rank: int, tp_size: int,
@@ -555,9 +556,8 @@ def migrate(plan: MigrationPlan, generation: int, world: World, held: HeldState 
         initialize_optimizer_states(new_runtime.optimizer)
         _change.built(new_runtime)
         sharded = _KEYS_OF_STATE[OPTIMIZER] if plan.request.distributed_optimizer else ()
-        group_bytes = _fill(new_runtime, held, received, sharded, counters.step)
-        _change.count(device=_change.new_steady_bytes + (8 * optimizer_state.GATHER_CHUNK_ELEMENTS if sharded else 0),
-                      host=kept + received_bytes + group_bytes)
+        group_bytes, summed_bytes = _fill(new_runtime, held, received, sharded, counters.step)
+        _change.count(device=_change.new_steady_bytes + summed_bytes, host=kept + received_bytes + group_bytes)
         load_loss_scale_state(new_runtime.optimizer, counters.loss_scale)
     new_runtime.scheduler.num_steps = counters.scheduler_steps
     new_runtime.scheduler.step(increment=0)
