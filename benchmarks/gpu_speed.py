@@ -70,6 +70,18 @@ class PlainGPT(torch.nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
 
 
+def _timed(step, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` calls of `step` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        step()
+    seconds = []
+    for _ in range(steps):
+        start = _synchronized()
+        step()
+        seconds.append(_synchronized() - start)
+    return seconds
+
+
 def _top_kernels(step, device: torch.device) -> list[dict]:
     """The 10 kernels (CPU operators without a GPU) with the most self time over two steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -119,13 +131,7 @@ def measure_megatron(args: argparse.Namespace, steps: int, warmup: int) -> tuple
             runtime.train_step(dataset, Progress(done, done * args.global_batch_size), report=False)
             done += 1
 
-        step_s = []
-        for i in range(warmup + steps):
-            start = _synchronized()
-            step()
-            if i >= warmup:
-                step_s.append(_synchronized() - start)
-        return step_s, _top_kernels(step, _device())
+        return _timed(step, warmup, steps), _top_kernels(step, _device())
     finally:
         runtime.destroy()
         if torch.cuda.is_available():
@@ -157,12 +163,7 @@ def measure_plain(args: argparse.Namespace, vocab: int, steps: int, warmup: int)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         optimizer.step()
 
-    step_s = []
-    for i in range(warmup + steps):
-        start = _synchronized()
-        step()
-        if i >= warmup:
-            step_s.append(_synchronized() - start)
+    step_s = _timed(step, warmup, steps)
     kernels = _top_kernels(step, device)
     del model, optimizer
     return step_s, kernels
