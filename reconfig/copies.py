@@ -16,9 +16,11 @@ that is one already holds the copy: nothing is sent to it.
 Host memory per worker is its own snapshot and its ward's copy, each in a block
 allocated once per layout and reused every K steps (`planes.HostArena`), plus the
 chunk in flight (reconfig/transfer.py). Taking a snapshot therefore overwrites the
-previous one: from the moment a worker starts taking one until every worker of the layout
-has confirmed its exchange it holds none, and a worker lost in that window sends the job
-back to its checkpoint. A copy that arrives damaged is never kept: the workers take the
+previous one: from the moment a worker starts taking one until its exchange has checked it
+holds none, and a worker lost in that window sends the job back to its checkpoint. A
+checked snapshot is pending until every worker of the layout has confirmed its exchange,
+then committed: whenever one worker has committed a snapshot every worker holds it
+(committed or pending). A copy that arrives damaged is never kept: the workers take the
 exchange again together. The newest snapshot every holder has is the smallest of the
 holders' newest complete ones (`execute.migrate` agrees on it).
 """
@@ -160,6 +162,7 @@ class SnapshotStore:
 
     def __init__(self) -> None:
         self.committed: Snapshot | None = None
+        self.pending: Snapshot | None = None  # exchanged and checked here, not yet confirmed by every worker
         self._own = planes.HostArena()
         self._ward = planes.HostArena()
         self.damaged_exchanges = 0  # exchanges of copies that did not check, each taken again
@@ -188,7 +191,7 @@ class SnapshotStore:
         every worker of the layout has (collective over WORLD, point to point with the
         buddy and the ward unless they are among its DP `peers`). None: the copies
         arrived damaged ATTEMPTS times; nothing was committed."""
-        self.committed = None  # its memory is reused now
+        self.committed = self.pending = None  # its memory is reused now
         own = _detached(export_held_state(runtime, self._own))
         snapshot = Snapshot(generation, iteration, consumed_samples, own, ward, own if ward in peers else None)
         rank_of = {w: r for r, w in enumerate(world.members)}
@@ -207,21 +210,21 @@ class SnapshotStore:
         if receives:
             message = arrived.messages[rank_of[ward], _TAG]
             snapshot.ward_state = _parse(message.header, message.payload, ward, generation, iteration)
+        self.pending = snapshot
         done = planes.control_tensor([1])
         dist.all_reduce(done)  # every worker has its ward's copy: commit
-        self.committed = snapshot
+        self.committed, self.pending = snapshot, None
         return snapshot
 
     def newest(self, generation: int) -> int:
         """The key of the newest complete snapshot of `generation` held here; -1 if none."""
-        s = self.committed
-        if s is None or s.generation != generation or (s.ward is not None and s.ward_state is None):
-            return -1
-        return s.key
+        found = [s.key for s in (self.committed, self.pending) if s is not None and s.generation == generation
+                 and (s.ward is None or s.ward_state is not None)]
+        return max(found, default=-1)
 
     def restore(self, key: int) -> tuple[HeldState, dict[int, HeldState], int]:
         """(own state, ward's state by worker, consumed samples) of the snapshot `key`."""
-        s = self.committed
-        if s is not None and s.key == key:
-            return s.own, ({} if s.ward_state is None else {s.ward: s.ward_state}), s.consumed_samples
+        for s in (self.committed, self.pending):
+            if s is not None and s.key == key:
+                return s.own, ({} if s.ward_state is None else {s.ward: s.ward_state}), s.consumed_samples
         raise MigrationError(f"no snapshot of generation {key >> 32} iteration {key & 0xFFFFFFFF} is held here")
