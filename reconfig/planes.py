@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from reconfig.shared_gpu import shared_gpu
+from reconfig.one_gpu import one_gpu
 
 CONTROL = "control"
 DATA = "data"
@@ -28,8 +28,8 @@ _ATTRIBUTE = "_parcae_plane"
 
 def data_device() -> torch.device:
     """Where this process's data-plane tensors live: its GPU, or the CPU without one or
-    where processes share a GPU (gloo carries host tensors; reconfig/shared_gpu.py)."""
-    if not torch.cuda.is_available() or shared_gpu():
+    where processes share a GPU (gloo carries host tensors; reconfig/one_gpu.py)."""
+    if not torch.cuda.is_available() or one_gpu():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from reconfig import compat
-from reconfig.shared_gpu import shared_gpu
+from reconfig.one_gpu import one_gpu
 
 _TIMEOUT = timedelta(minutes=10)
 _MEET_POLL_SECONDS = 0.05
@@ -49,8 +49,8 @@ def process_group_backend() -> str:
     (parameters, gradients, optimizer state) over NCCL; gloo alone on CPU. Keeping the
     control plane on gloo also keeps its timeouts and failure detection alike on both.
     reconfig.planes makes every tensor the project hands to a collective. Processes that
-    share one GPU (reconfig/shared_gpu.py) have gloo alone too: NCCL refuses them."""
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and not shared_gpu() else "gloo"
+    share one GPU (reconfig/one_gpu.py) have gloo alone too: NCCL refuses them."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and not one_gpu() else "gloo"
 
 
 class WorldBroken(RuntimeError):

@@ -11,7 +11,7 @@
 #       16 layers: the device peak before, during and after each; losses equal to a run without;
 #   (b) fp16 with --use-distributed-optimizer through a change: losses and loss scales equal
 #       to the uninterrupted run's;
-#   (c) two processes on the one GPU (PARCAE_SHARED_GPU=1): a data-parallel change, losses
+#   (c) two processes on the one GPU (PARCAE_ONE_GPU=1): a data-parallel change, losses
 #       equal to one process's; then a chaos run with the distributed optimizer, whose lost
 #       moment shards come back from the workers' snapshots (a rollback);
 #   (d) a snapshot's cost per iteration at K=10 on GPT-1.5B cut to 16 layers;
@@ -141,15 +141,15 @@ step b_changed 180 "${TORCHRUN[@]}" --nproc_per_node=1 scripts/pretrain_gpt.py "
 step b_report_losses 60 "$PY" -m benchmarks.gpu_check_report losses "$LOGS/b_reference.events.jsonl" \
   "$LOGS/b_changed.events.jsonl" --loss-scale
 
-say "## (c) two processes on one GPU (PARCAE_SHARED_GPU=1): a data-parallel change, then a snapshot rollback"
+say "## (c) two processes on one GPU (PARCAE_ONE_GPU=1): a data-parallel change, then a snapshot rollback"
 step c_reference 120 "${TORCHRUN[@]}" --nproc_per_node=1 scripts/pretrain_gpt.py "${TINY_FLAGS[@]}" \
   --parcae-events "$LOGS/c_reference.events.jsonl"
-step c_shared 180 env PARCAE_SHARED_GPU=1 "${TORCHRUN[@]}" --nproc_per_node=2 scripts/pretrain_gpt.py \
+step c_one_gpu 180 env PARCAE_ONE_GPU=1 "${TORCHRUN[@]}" --nproc_per_node=2 scripts/pretrain_gpt.py \
   "${TINY_FLAGS[@]}" --parcae --parcae-layout-schedule "4:1,1,2:join=1;8:1,1,1:leave=1" \
-  --parcae-events "$LOGS/c_shared.events.jsonl"
+  --parcae-events "$LOGS/c_one_gpu.events.jsonl"
 step c_report_losses 60 "$PY" -m benchmarks.gpu_check_report losses "$LOGS/c_reference.events.jsonl" \
-  "$LOGS/c_shared.events.jsonl"
-step c_chaos 300 env PARCAE_SHARED_GPU=1 "$PY" -m benchmarks.chaos --runs 1 --kills 1 --iterations 20 \
+  "$LOGS/c_one_gpu.events.jsonl"
+step c_chaos 300 env PARCAE_ONE_GPU=1 "$PY" -m benchmarks.chaos --runs 1 --kills 1 --iterations 20 \
   --save-interval 10 --copy-interval 5 --optimizer distributed --workdir "$LOGS/c_chaos" --json "$LOGS/c_chaos.json"
 step c_report_rollback 60 "$PY" -m benchmarks.gpu_check_report rollback "$LOGS/c_chaos.json"
 

@@ -1,4 +1,4 @@
-"""Several processes on one GPU (PARCAE_SHARED_GPU=1, reconfig/shared_gpu.py): the
+"""Several processes on one GPU (PARCAE_ONE_GPU=1, reconfig/one_gpu.py): the
 choices that make it work, checked on CPU with CUDA's answers stood in for. The mode
 itself runs on a GPU in scripts/gpu_check.sh (c)."""
 
@@ -11,12 +11,12 @@ import torch
 
 from megatron_parcae.training import device
 from reconfig import planes
-from reconfig.shared_gpu import ENV, shared_gpu
+from reconfig.one_gpu import ENV, one_gpu
 from reconfig.world import process_group_backend
 
 
 @pytest.fixture
-def one_gpu(monkeypatch):
+def a_gpu(monkeypatch):
     """torch answering as on a machine with one GPU, its chosen device recorded."""
     chosen = []
     monkeypatch.setattr(os, "environ", {**os.environ})  # prepare_device's NCCL settings stay here
@@ -27,7 +27,7 @@ def one_gpu(monkeypatch):
     return chosen
 
 
-def test_sharing_puts_every_plane_on_gloo_and_the_data_plane_in_host_memory(one_gpu, monkeypatch):
+def test_sharing_puts_every_plane_on_gloo_and_the_data_plane_in_host_memory(a_gpu, monkeypatch):
     monkeypatch.setenv(ENV, "1")
     assert process_group_backend() == "gloo"
     assert planes.data_device() == torch.device("cpu")
@@ -37,19 +37,19 @@ def test_sharing_puts_every_plane_on_gloo_and_the_data_plane_in_host_memory(one_
 
 
 @pytest.mark.parametrize("value", ["", "0"])
-def test_without_sharing_a_gpu_keeps_nccl_and_its_device(one_gpu, monkeypatch, value):
+def test_without_sharing_a_gpu_keeps_nccl_and_its_device(a_gpu, monkeypatch, value):
     monkeypatch.setenv(ENV, value)
     assert process_group_backend() == "cpu:gloo,cuda:nccl"
     assert planes.data_device() == torch.device("cuda", 0)
 
 
-def test_processes_sharing_take_the_gpus_there_are(one_gpu, monkeypatch):
+def test_processes_sharing_take_the_gpus_there_are(a_gpu, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv(ENV, "1")
     device.prepare_device()
     monkeypatch.setenv(ENV, "0")
     device.prepare_device()
-    assert one_gpu == [0, 3]  # shared: GPU 3 mod 1; not shared: LOCAL_RANK's own
+    assert a_gpu == [0, 3]  # shared: GPU 3 mod 1; not shared: LOCAL_RANK's own
 
 
 def test_on_cpu_the_mode_changes_nothing(monkeypatch):
@@ -61,5 +61,5 @@ def test_on_cpu_the_mode_changes_nothing(monkeypatch):
 
 def test_a_value_other_than_0_or_1_is_refused(monkeypatch):
     monkeypatch.setenv(ENV, "yes")
-    with pytest.raises(ValueError, match="PARCAE_SHARED_GPU must be 1"):
-        shared_gpu()
+    with pytest.raises(ValueError, match="PARCAE_ONE_GPU must be 1"):
+        one_gpu()

@@ -1,4 +1,4 @@
-"""Several processes on one GPU (PARCAE_SHARED_GPU=1): multi-process layout changes with
+"""Several processes on one GPU (PARCAE_ONE_GPU=1): multi-process layout changes with
 CUDA models on a machine that has a single GPU.
 
 NCCL refuses two ranks on one GPU, so in this mode every plane is gloo
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 
-ENV = "PARCAE_SHARED_GPU"
+ENV = "PARCAE_ONE_GPU"
 
 
-def shared_gpu() -> bool:
+def one_gpu() -> bool:
     """Whether this process shares its GPU with the job's other processes."""
     value = os.environ.get(ENV, "")
     if value not in ("", "0", "1"):
