@@ -38,7 +38,17 @@ def pytest_configure(config) -> None:
     signal.signal(signal.SIGTERM, _interrupted)
 
 
-def pytest_collection_modifyitems(items) -> None:
+def pytest_addoption(parser) -> None:
+    parser.addoption("--extended", action="store_true",
+                     help="also run the tests marked extended: more cases of scenarios the default run checks once")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if not config.getoption("--extended"):
+        left_out = [item for item in items if item.get_closest_marker("extended")]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if not item.get_closest_marker("extended")]
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)

@@ -28,6 +28,7 @@ def plain(command: str, directory, batch_at: int, flags: list[str]) -> float:
     return json.loads(run.stdout.strip().splitlines()[-1])["loss"]
 
 
+@pytest.mark.extended
 def test_a_t2p2_checkpoint_loads_into_a_plain_megatron_core_model_at_t1p1(tiny_data, tmp_path):
     """SwiGLU's fc1 is a sharded factory, the tied output layer a replica on the last stage:
     the plain model's loss on batch 3 from iteration 2's checkpoint is the run's own."""

@@ -82,6 +82,7 @@ print("loaded", flush=True)
 """
 
 
+@pytest.mark.extended
 def test_a_save_broken_by_a_peer_failure_does_not_spoil_the_next(tmp_path):
     run = subprocess.run([sys.executable, "-c", AFTER_A_BROKEN_SAVE, str(tmp_path / "ckpt"), *SMALL_GPT],
                          cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -130,7 +131,7 @@ except RuntimeError as exc:
 """
 
 
-@pytest.mark.parametrize("silent_at", ["save", "finish"])
+@pytest.mark.parametrize("silent_at", ["save", pytest.param("finish", marks=pytest.mark.extended)])
 def test_a_peer_silent_in_an_asynchronous_save_breaks_world_soon(tmp_path, silent_at):
     """A peer that stops answering (alive, its sockets open) as an asynchronous save starts
     or completes: the others fail within a few usual timeouts (3 s here), not SAVE_TIMEOUT

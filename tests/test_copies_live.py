@@ -73,6 +73,7 @@ def _between_saves(logs) -> bool:
     return saved is not None and saved < newest <= saved + 2
 
 
+@pytest.mark.extended
 def test_a_worker_lost_with_its_buddy_falls_back_to_the_checkpoint(live_job, uninterrupted):
     processes, slots = _pipeline_job(live_job, 5)
     wait_for(lambda: _between_saves(live_job[3]), 180, "a checkpoint, and no save in flight")
@@ -107,6 +108,7 @@ def test_a_worker_lost_mid_change_has_the_change_retried_without_it(live_job, un
     assert not any(c.kind == "restart" for c in changes if c.generation > 1)
 
 
+@pytest.mark.extended
 def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(live_job, uninterrupted, monkeypatch):
     """The first layout, one worker, grows onto a joiner that dies as it reaches the new
     WORLD's meeting point (tests/lost_before_meeting): the old worker kept its state through

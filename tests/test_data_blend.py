@@ -77,6 +77,7 @@ def blend_run(blend_flags, tmp_path_factory) -> tuple[Path, dict[int, float]]:
     return save, full
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_blend_resumes_exactly_in_another_layout(blend_flags, blend_run):
     save, full = blend_run

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 PROFILE = REPO / "configs/profiles/gpt-tiny-cpu.json"
 
 
-@pytest.mark.parametrize("noticed", [True, False], ids=["notice", "no-notice"])
+@pytest.mark.parametrize("noticed", [True, pytest.param(False, marks=pytest.mark.extended)], ids=["notice", "no-notice"])
 def test_etcd_gone_for_good_stops_workers_and_coordinator(tiny_data, tmp_path, noticed):
     """etcd stops while two workers train. With a notice to one of them, the workers agree
     to save and leave within its grace period; without, once the outage bound is past. The

@@ -52,6 +52,7 @@ def reference(tiny_data, tmp_path_factory) -> dict[str, dict[int, float]]:
             computed_once(tmp_path_factory, "evaluation-reference", run).items()}
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_validation_loss_is_the_same_in_a_pipeline(reference):
     run = torchrun("pretrain_gpt.py", 2, SMALL_GPT + EVAL + layout_flags(1, 2) + ["--train-iters", "4"])
@@ -71,6 +72,7 @@ def test_evaluating_leaves_training_unchanged(tiny_data):
     assert_close(losses(evaluated), losses(torchrun("pretrain_gpt.py", 1, dropout)))
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_bert_evaluates_through_a_pipeline(tiny_data):
     run = torchrun("pretrain_bert.py", 2, ["--config", "configs/bert-tiny.yaml", "--train-iters", "2",

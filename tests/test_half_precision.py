@@ -27,7 +27,9 @@ FP16 = ["--fp16", "--initial-loss-scale", str(INITIAL_SCALE), "--hysteresis", "1
 # Plain Adam on 2 processes (D = 1: T and P change), the distributed optimizer on 4 (D = 2,
 # so its shards are cut again too).
 CASES = pytest.mark.parametrize("precision,distributed_optimizer,processes", [
-    (["--bf16"], False, 2), (FP16, False, 2), (FP16, True, 4)], ids=["bf16-adam", "fp16-adam", "fp16-distributed-adam"])
+    pytest.param(["--bf16"], False, 2, marks=pytest.mark.extended),
+    pytest.param(FP16, False, 2, marks=pytest.mark.extended),
+    (FP16, True, 4)], ids=["bf16-adam", "fp16-adam", "fp16-distributed-adam"])
 
 
 def _iterations(run) -> dict[int, Iteration]:

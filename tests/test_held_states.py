@@ -30,7 +30,8 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("steps, expected", [("21,21", "agreed 21 672"), ("22,21", "differ: ")])
+@pytest.mark.parametrize("steps, expected", [pytest.param("21,21", "agreed 21 672", marks=pytest.mark.extended),
+                                             ("22,21", "differ: ")])
 def test_holders_of_different_steps_all_find_out(steps, expected):
     port = 20000 + (os.getpid() * 7 + len(steps) + int(steps[:2])) % 20000
     outputs = run_ranks(_HOLDER, lambda rank: [str(rank), str(port), steps], 2,

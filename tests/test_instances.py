@@ -226,6 +226,7 @@ def test_plan_answers_in_instances(tmp_path, capsys):
     assert max(weighed) == 16
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_liveput_on_instances_of_four_gpus_stays_near_ideal():
     """Parcae's four aws-p3 segments with instances of 4 GPUs (up to 128 GPUs, T up to 4):

@@ -27,6 +27,7 @@ MODEL = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--u
          "--overlap-param-gather", "--train-iters", str(ITERS)]
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_flags_train_the_same_model_through_tensor_pipeline_and_data_changes(tiny_data, tmp_path):
     """T 2 -> 1 -> 2 -> 1: the per-group QKV and the vocab-parallel output layer are re-cut
@@ -42,6 +43,7 @@ def test_flags_train_the_same_model_through_tensor_pipeline_and_data_changes(tin
     assert_same_state(tmp_path / "changed", tmp_path / "reference", SMALL_GPT + MODEL)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_swiglu_is_recut_when_tensor_parallelism_changes_and_in_checkpoints(tiny_data, tmp_path):
     """fc1 holds [gate; up] per TP shard (stride 2): T 2 -> 1 must regroup both halves, and

@@ -86,7 +86,7 @@ def test_activation_bytes_leave_out_the_parameters():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt", "bert"])
+@pytest.mark.parametrize("model", ["gpt", pytest.param("bert", marks=pytest.mark.extended)])
 def test_profile_of_a_tiny_model_drives_the_pipeline_model(tiny_data, tmp_path, model):
     run = _profile(tmp_path, "--model", model, "--", "--config", f"configs/{model}-tiny.yaml")
     assert run.returncode == 0, run.stderr[-2000:]

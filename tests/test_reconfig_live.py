@@ -53,9 +53,7 @@ def _scheduled(nproc: int, pp: int, schedule: str, distributed_optimizer: bool, 
     return found, changes, saves
 
 
-OPTIMIZERS = pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-adam"])
-
-
+@pytest.mark.extended
 @pytest.mark.slow
 def test_tensor_and_pipeline_changes_train_the_same_model(reference_run, tmp_path):
     """With the distributed optimizer; plain Adam goes through T and P changes in the
@@ -69,6 +67,7 @@ def test_tensor_and_pipeline_changes_train_the_same_model(reference_run, tmp_pat
     assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(ITERS)])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_pipeline_deepens_and_back_then_intra_stage_leave_moves_nothing(reference_run, tmp_path):
     """P 2 -> 4 -> 2, then a rank of each stage of the D=2 layout leaves and the other
@@ -83,7 +82,8 @@ def test_pipeline_deepens_and_back_then_intra_stage_leave_moves_nothing(referenc
 
 
 @pytest.mark.slow
-@OPTIMIZERS
+@pytest.mark.parametrize("distributed_optimizer", [pytest.param(False, marks=pytest.mark.extended), True],
+                         ids=["adam", "distributed-adam"])
 def test_grace_period_hand_over_then_growth(reference, distributed_optimizer):
     """Stage 1 loses both replicas with notice (they send before exiting), two workers join,
     then T changes: six processes, two of them idle until they join."""
@@ -132,6 +132,7 @@ def test_schedule_needs_parcae(tiny_data):
                    prog="pretrain_gpt.py", model="gpt", world_size=1)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_bert_changes_train_the_same_model(tiny_data):
     """BERT (`encoder.layers`, random masking) with the distributed optimizer and the

@@ -90,7 +90,8 @@ def test_stalled_then_killed_workers_are_left_behind_in_place(live_job, uninterr
     assert "WORLD broke under workers" in coordinator_log
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["kept", "rolled-back"])
+@pytest.mark.parametrize("distributed_optimizer", [pytest.param(False, marks=pytest.mark.extended), True],
+                         ids=["kept", "rolled-back"])
 def test_a_step_whose_rank_0_died_before_logging_it_is_logged_by_a_rank_that_trained_it(
         live_job, uninterrupted, monkeypatch, distributed_optimizer):
     """The layout's rank 0 is killed once the step is applied everywhere, before its log line

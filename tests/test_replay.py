@@ -40,6 +40,7 @@ def small_profile(tiny_data, tmp_path_factory):
     return Path(computed_once(tmp_path_factory, "small-profile", profile))
 
 
+@pytest.mark.extended
 def test_instances_of_two_processes_are_preempted_whole_and_train_the_uninterrupted_model(small_profile, tmp_path):
     # aws-p3 hours 0.5-1.5 at 3 instances of 2 processes (torchrun each): 3 preemptions of
     # whole instances and 3 arrivals in 90 s, 6 processes at the peak.

@@ -19,6 +19,7 @@ from megatron_parcae.training.hooks.live import LiveJobError, LiveReconfiguratio
 GRACE_S = 20.0  # the workers' (conftest.live_job)
 
 
+@pytest.mark.extended
 def test_job_noticed_at_once_saves_exits_and_resumes_losing_no_step(live_job, uninterrupted):
     store, coordinator, worker, logs = live_job
     coordinating = coordinator("a")

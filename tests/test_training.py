@@ -30,7 +30,8 @@ def reference(tiny_data, tmp_path_factory) -> dict[int, float]:
 # Each optimizer with TP, PP and DP, in four layouts (T1P2 alone is what the resume tests
 # train; the executor's tests cover both optimizers across layout changes).
 @pytest.mark.parametrize("layout,distributed_optimizer", [
-    ((2, 1, 1), False), ((1, 1, 2), True), ((2, 2, 1), True), ((1, 2, 2), False),
+    pytest.param((2, 1, 1), False, marks=pytest.mark.extended), pytest.param((1, 1, 2), True, marks=pytest.mark.extended),
+    ((2, 2, 1), True), ((1, 2, 2), False),
 ], ids=lambda v: "T%dP%dD%d" % v if isinstance(v, tuple) else ("distributed-adam" if v else "adam"))
 @pytest.mark.slow
 def test_layouts_train_the_same_model(reference, layout, distributed_optimizer):
@@ -55,7 +56,8 @@ def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, dict[int, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resume_layout", [(1, 2, 1), (2, 1, 2)], ids=["same-layout", "other-layout"])
+@pytest.mark.parametrize("resume_layout", [pytest.param((1, 2, 1), marks=pytest.mark.extended), (2, 1, 2)],
+                         ids=["same-layout", "other-layout"])
 def test_resume_continues_exactly(saved_run, resume_layout):
     save, full = saved_run
     tp, pp, dp = resume_layout
