@@ -16,6 +16,7 @@ from megatron_parcae.control import agent as agent_module
 from megatron_parcae.control.agent import AgentError, ParcaeAgent
 from megatron_parcae.control.etcd import JobStore
 from megatron_parcae.control.etcd.client import Put
+from megatron_parcae.control.etcd.keys import SchemaError
 from megatron_parcae.control.notices import Notice
 
 GRACE_S = 30.0
@@ -43,14 +44,18 @@ def test_agent_registers_and_deregisters_on_stop(job_agent):
     assert not agent.fenced
 
 
-def test_the_member_record_says_which_model_the_worker_trains(client):
+def test_the_member_record_says_which_model_the_worker_trains_and_its_pool(client):
     store = JobStore(client, new_job())
-    agent = ParcaeAgent(client, store.keys.job, worker_id=4, grace_seconds=GRACE_S, lease_seconds=LEASE_S, model=SHAPE)
+    agent = ParcaeAgent(client, store.keys.job, worker_id=4, grace_seconds=GRACE_S, lease_seconds=LEASE_S, model=SHAPE,
+                        pool="on-demand")
     agent.start()
     try:
         assert store.members()[4].shape() == SHAPE
+        assert store.members()[4].pool == "on-demand"
     finally:
         agent.stop()
+    with pytest.raises(SchemaError):
+        ParcaeAgent(client, store.keys.job, worker_id=5, grace_seconds=GRACE_S, lease_seconds=LEASE_S, pool="")
 
 
 def test_plans_are_delivered_in_order_and_acknowledged(job_agent):

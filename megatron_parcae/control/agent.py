@@ -193,6 +193,7 @@ class ParcaeAgent:
         model: ModelShape | None = None,
         failure_domain: str | None = None,
         transformer_impl: str | None = None,
+        pool: str | None = None,
     ) -> None:
         if not grace_seconds >= 0 or not lease_seconds > 0:
             raise ValueError(f"grace_seconds must be >= 0 and lease_seconds > 0, got {grace_seconds}, {lease_seconds}")
@@ -204,8 +205,8 @@ class ParcaeAgent:
         self._member = MemberRecord(worker_id, instance or default_instance(), os.getpid(), time.time(), 0,
                                     local_rank=local_rank, can_save=can_save,
                                     model=None if model is None else model.to_dict(), failure_domain=failure_domain,
-                                    transformer_impl=transformer_impl)
-        self._member.encode()  # refuse a bad worker id, instance, domain or implementation now, not on a thread
+                                    transformer_impl=transformer_impl, pool=pool)
+        self._member.encode()  # refuse a bad worker id, instance, domain, implementation or pool now, not on a thread
         self._lock = threading.Lock()
         self._wake = _Doorbell()
         self._stopping = threading.Event()

@@ -173,6 +173,10 @@ def _add_parcae_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parcae-instance", default=None, metavar="NAME",
                    help="with --parcae-etcd: the instance (node) this process runs on; a preemption takes all of "
                         "its processes (default: the host name and the launching torchrun's pid)")
+    g.add_argument("--parcae-pool", default=None, metavar="NAME",
+                   help="with --parcae-etcd: the coordinator config's pool this instance was bought from, which "
+                        "prices it (default: what the provisioner tells from the instance's name, else the "
+                        "config's first pool)")
     g.add_argument("--parcae-failure-domain", default=None, metavar="NAME",
                    help="with --parcae-etcd: the failure domain of this process's instance, e.g. a cloud zone, "
                         "rack or switch; instances in one domain may fail together, so workers keep their "
@@ -644,6 +648,7 @@ def _check_live_job(args: argparse.Namespace) -> None:
            "--parcae-instance must be 1 to 253 characters")
     _check(args.parcae_failure_domain is None or 0 < len(args.parcae_failure_domain) <= 253,
            "--parcae-failure-domain must be 1 to 253 characters")
+    _check(args.parcae_pool is None or 0 < len(args.parcae_pool) <= 253, "--parcae-pool must be 1 to 253 characters")
     if args.parcae_metadata_endpoint is not None:
         _check(args.parcae_notice in NOTICE_WATCHERS,
                f"--parcae-metadata-endpoint needs --parcae-notice {', '.join(list(NOTICE_WATCHERS)[:-1])} "

@@ -148,7 +148,8 @@ class LiveReconfiguration:
         self.agent = ParcaeAgent(client, args.parcae_job, args.parcae_worker_id, args.parcae_grace_seconds,
                                  args.parcae_lease_seconds, args.parcae_instance, local_rank, notices,
                                  can_save=bool(args.save), model=self.shape,
-                                 failure_domain=args.parcae_failure_domain, transformer_impl=args.transformer_impl)
+                                 failure_domain=args.parcae_failure_domain, transformer_impl=args.transformer_impl,
+                                 pool=args.parcae_pool)
         self.world = World(args.parcae_worker_id, (), EtcdStore(client, self.store.keys.store), process_group_backend(),
                            collective_timeout=collective_timeout(args), abandon=self._wait_in_vain)
         self.world.watch(args.parcae_lease_seconds / 3)  # a peer lost in a long collective: abort WORLD
