@@ -312,10 +312,16 @@ class LiveReconfiguration:
     def finish(self, consumed_samples: int | None) -> None:
         """Leave the job; with `consumed_samples` (training reached its end) say so in etcd."""
         try:
-            if consumed_samples is not None and dist.is_initialized() and dist.get_rank() == 0:
-                done = DoneRecord(self.generation, consumed_samples // self.samples_per_iteration, consumed_samples,
-                                  time.time())
-                self._etcd("record the end of training", lambda: self.store.mark_done(done))
+            if consumed_samples is not None and dist.is_initialized():
+                try:
+                    if dist.get_rank() == 0:
+                        done = DoneRecord(self.generation, consumed_samples // self.samples_per_iteration,
+                                          consumed_samples, time.time())
+                        self._etcd("record the end of training", lambda: self.store.mark_done(done))
+                finally:
+                    # No rank lets its membership go before the end is recorded: a coordinator
+                    # that saw members go first would plan a change without them.
+                    dist.all_reduce(planes.control_tensor([0]))
         finally:
             self.world.close()
             self.agent.stop()
