@@ -4,8 +4,8 @@
 Programs (the spot emulator, the benchmarks, the tests) read the events file with
 `read_events` or `EventFollower`, never the log: this module alone knows the log's
 format. `parcae coordinator --events` writes its published plans, what it learns
-of throughput, of migration costs and of the network, and the job's dollars, the same way.
-Free of torch, so that readers load fast.
+of throughput, of migration costs and of the network, the job's dollars and the
+instances it provisions, the same way. Free of torch, so that readers load fast.
 """
 
 from __future__ import annotations
@@ -352,9 +352,27 @@ class Cost(Event):
     budget: float | None = None
 
 
+@dataclass(frozen=True)
+class Provisioned(Event):
+    """The coordinator's deadline policy changed how many instances of `pool` the job
+    holds (control/provisioning.py): from `held` to `wanted`; `reason` starts with
+    "behind" when it asks for more, "ahead" when it gives some back. `instances`: those
+    the backend asked for or gave back (none named where another process applies the
+    target, as `parcae replay` does). `remaining` is the work left in the deadline's unit."""
+
+    NAME = "provisioned"
+    pool: str
+    held: int
+    wanted: int
+    reason: str
+    instances: tuple[str, ...] = ()
+    remaining: float = 0.0
+    time_left_hours: float = 0.0
+
+
 KINDS: dict[str, type[Event]] = {kind.NAME: kind for kind in
                                  (Iteration, Evaluation, Save, Load, LayoutChange, ChangeRetried, CopiesKept, PlanPublished,
-                                  ThroughputLearned, MigrationCostLearned, NetworkMeasured, Cost)}
+                                  ThroughputLearned, MigrationCostLearned, NetworkMeasured, Cost, Provisioned)}
 _HINTS = {kind: typing.get_type_hints(kind) for kind in KINDS.values()}
 TrainingEvent = Iteration | Evaluation | Save | Load | LayoutChange | ChangeRetried | CopiesKept
 

@@ -51,7 +51,9 @@ Rules it keeps:
   changes still kept, beside their plans, as soon as one is reported; the network between
   instances from the figures the workers measure when the first layout on two is built.
 - With pools in its config it counts the job's dollars by pool as instances run, and
-  projects its finish and cost against the deadline (control/cost.py).
+  projects its finish and cost against the deadline (control/cost.py). With a deadline
+  and a provisioner too, it decides at each boundary how many on-demand instances to
+  hold, and gets or gives them back (control/provisioning.py).
 - When training ends (the `done` record a worker writes), the coordinator exits.
 """
 
@@ -102,12 +104,13 @@ from megatron_parcae.control.etcd.keys import (
 )
 from megatron_parcae.control.cost import CostMeter, Pricing
 from megatron_parcae.control.implementations import MixedImplementations, one_implementation
+from megatron_parcae.control.provisioning import Provisioning
 from megatron_parcae.liveput import CostConstants, Decision, LiveputOptimizer, SuddenLosses, build_liveput
 from megatron_parcae.liveput.cost import DEFAULT_CONSTANTS, MigrationCostModel, PhaseRates
 from megatron_parcae.liveput.learned import ThroughputLearner
 from megatron_parcae.liveput.throughput import ForModels, ProfileError, ThroughputModel
 from megatron_parcae.provisioning.pools import Pool
-from megatron_parcae.provisioning.provisioner import ProvisionerConfig
+from megatron_parcae.provisioning.provisioner import ProvisionerConfig, ProvisionerError
 from megatron_parcae.provisioning.settings import Deadline, budget_of, config_pools
 from megatron_parcae.scalars import ScalarBackend
 from predictor.forecast import FORECASTERS, AvailabilityForecast, Forecaster, make_forecaster
@@ -344,7 +347,8 @@ class Coordinator:
     """
 
     def __init__(self, store: JobStore, config: CoordinatorConfig, optimizer: LiveputOptimizer, candidate: str,
-                 events: EventWriter | None = None, scalars: ScalarBackend | None = None) -> None:
+                 events: EventWriter | None = None, scalars: ScalarBackend | None = None,
+                 provisioning: Provisioning | None = None) -> None:
         self._store = store
         self._events = events or EventWriter(None)  # each published plan, for programs (--events)
         self._scalars = scalars  # each interval's availability, forecast and liveput, for dashboards
@@ -395,7 +399,9 @@ class Coordinator:
         grace = optimizer.costs.constants.grace_period_seconds
         self._batch_seconds = min(NOTICE_BATCH_SECONDS, grace / 10)  # a small part of the grace period
         self._cost = None if not config.pools else CostMeter(
-            Pricing(config.pools, config.deadline, config.budget), store, self._leadership.guard, self._events, scalars)
+            Pricing(config.pools, config.deadline, config.budget), store, self._leadership.guard, self._events, scalars,
+            None if provisioning is None else provisioning.pool_of)
+        self._provisioning = provisioning if self._cost is not None else None  # on-demand instances, by deadline
 
     @property
     def is_leader(self) -> bool:
@@ -489,6 +495,8 @@ class Coordinator:
         self._store.publish_profile(self._profile, self._leadership.guard())
         if self._cost is not None:
             self._cost.resume()
+        if self._provisioning is not None:
+            self._provisioning.resume_from(self._store)
         self._forecaster = make_forecaster(self._config.forecaster, self._interval)
         self._rates = make_rates(self._config.rates, self._interval)
         self._history.clear()
@@ -675,6 +683,9 @@ class Coordinator:
             self._chart()
         if self._cost is not None:
             self._cost.count(members, now, boundary)
+        if boundary and self._provisioning is not None:
+            self._provisioning.at_boundary(now, {w: members[w] for w in view.available}, self._cost, self._optimizer,
+                                           self._config.gpus_per_instance, self._store, self._leadership.guard)
         if boundary and current is not None:
             self._learn(generation, current)
         self._refit(members)
@@ -1121,11 +1132,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s parcae coordinator: %(levelname)s %(message)s")
+    events = EventWriter(args.events)
     try:
         config = CoordinatorConfig.load(args.config)
         optimizer = config.optimizer()
+        provisioning = Provisioning.of(config.pools, config.deadline, config.budget, config.provisioner, args.job,
+                                       optimizer.interval, config.max_workers // config.gpus_per_instance, events)
         client = connect(args)
-    except ValueError as exc:
+    except (ValueError, ProvisionerError) as exc:
         print(f"parcae coordinator: error: {exc}", file=sys.stderr)
         return 2
     except EtcdError as exc:
@@ -1138,8 +1152,8 @@ def run(args: argparse.Namespace) -> int:
         scalars = TensorBoardBackend(str(config.tensorboard_dir))
     with client, contextlib.closing(scalars) if scalars is not None else contextlib.nullcontext():
         candidate = f"{socket.gethostname()}:{os.getpid()}"
-        coordinator = Coordinator(JobStore(client, args.job), config, optimizer, candidate, EventWriter(args.events),
-                                  scalars)
+        coordinator = Coordinator(JobStore(client, args.job), config, optimizer, candidate, events, scalars,
+                                  provisioning)
         # serve() runs on a thread: a handler runs on the main thread between two bytecodes,
         # and stop() there would deadlock if it interrupted serve() holding the same lock.
         with ThreadPoolExecutor(1, thread_name_prefix="parcae-coordinator") as pool:

@@ -72,6 +72,11 @@ class CostMeter:
                                   {p: d for p, d in record.dollars.items() if p in self._pools},
                                   {p: n for p, n in record.instances.items() if p in self._pools})
 
+    @property
+    def ledger(self) -> CostLedger | None:
+        """The dollars counted so far; None before the first count."""
+        return self._ledger
+
     def pool(self, member: MemberRecord) -> str:
         named = member.pool or (self._pool_of(member.instance) if self._pool_of is not None else None)
         if named is None:

@@ -10,7 +10,8 @@ back by the trace is preempted like any other.
 
 The replay implements `InstanceHost`: it starts an instance's workers under the name
 given (`--parcae-instance`), and preempts them. Names are `<pool>/<number>`, so a member
-record names its pool through its instance (`pool_of`).
+record names its pool through its instance (`pool_of`). The backend is remote: the
+coordinator publishes the counts it wants, which the replay applies (`apply`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from megatron_parcae.provisioning.pools import Pool
-from megatron_parcae.provisioning.provisioner import Instance, Provisioner, ProvisionerError, ProvisionerParameters
+from megatron_parcae.provisioning.provisioner import (
+    Instance, Provisioner, ProvisionerError, ProvisionerParameters, named_pool,
+)
+
+REMOTE = True  # the replay, not the coordinator, runs this backend
 
 
 class InstanceHost(Protocol):
@@ -83,8 +88,22 @@ class EmulatorProvisioner(Provisioner):
         return [Instance(i.name, i.pool) for i in self._instances if i.pool == pool and i.started]
 
     def pool_of(self, instance: str) -> str | None:
-        pool = instance.rsplit("/", 1)[0] if "/" in instance else None
-        return pool if pool in self.pools else None
+        return named_pool(instance, self.pools)
+
+    def held(self, pool: str) -> int:
+        """Instances of `pool` asked for and not given back (started or not)."""
+        self.pool(pool)
+        return self._wanted[pool]
+
+    def apply(self, wanted: Mapping[str, int]) -> dict[str, list[str]]:
+        """Request or release the difference to the counts `wanted` (by pool; pools not
+        named keep theirs): the names asked for or given back, by pool changed."""
+        changed = {}
+        for pool, count in wanted.items():
+            difference = self.check_count(count) - self.held(pool)
+            if difference:
+                changed[pool] = self.request(pool, difference) if difference > 0 else self.release(pool, -difference)
+        return changed
 
     def set_capacity(self, pool: str, count: int) -> None:
         """The spot instances of `pool` the trace allows from now on."""

@@ -12,6 +12,13 @@ config's `provisioner:` section names one and gives its options::
 A backend is a module with `parse_options(options) -> object` (checks the options when
 the config is loaded: ValueError on bad ones) and `create(params) -> Provisioner`. It is
 registered by its import path, and imported only when a job uses it.
+
+Most backends run inside the coordinator, which calls them (SLURM: sbatch and scancel
+from the control job). A backend whose instances another process starts sets
+`REMOTE = True` in its module (the emulator: `parcae replay` plays the cloud): the
+coordinator then only publishes the counts it wants (etcd's `provisioning` record), and
+that process applies them. Such a backend names its instances `<pool>/<number>`, so the
+coordinator tells a member's pool by its instance (`named_pool`).
 """
 
 from __future__ import annotations
@@ -138,6 +145,10 @@ class ProvisionerRegistry:
     def create(self, params: ProvisionerParameters) -> Provisioner:
         return self.module(params.backend).create(params)
 
+    def remote(self, backend: str) -> bool:
+        """Whether another process applies the backend's counts (see the module docstring)."""
+        return bool(getattr(self.module(backend), "REMOTE", False))
+
 
 provisioner_registry = ProvisionerRegistry()
 provisioner_registry.register("emulator", "megatron_parcae.provisioning.emulator")
@@ -147,3 +158,9 @@ provisioner_registry.register("slurm", "megatron_parcae.provisioning.slurm")
 def create_provisioner(config: ProvisionerConfig, job: str, pools: tuple[Pool, ...], **context: Any) -> Provisioner:
     """The provisioner the coordinator config names, for `job`'s `pools`."""
     return provisioner_registry.create(ProvisionerParameters(config.backend, job, pools, config.parsed, context))
+
+
+def named_pool(instance: str, pools: Mapping[str, Pool] | tuple[str, ...]) -> str | None:
+    """The pool of an instance named `<pool>/<number>`, if `pools` has it."""
+    pool = instance.rsplit("/", 1)[0] if "/" in instance else None
+    return pool if pool in pools else None

@@ -10,7 +10,13 @@ SIGTERM, then SIGKILL after the grace period.
 
 Jobs under test implement `resize(count)` and `stop()`:
 - `ParcaeJob` starts etcd and `parcae coordinator`, and `--parcae` workers on each arriving
-  instance (fresh worker ids: a new instance is new processes);
+  instance (fresh worker ids: a new instance is new processes). With a deadline
+  (`--deadline-hours`, `DeadlineSetting`) it buys from two pools through the emulator's
+  provisioner (provisioning/emulator.py): a spot fleet as large as --max-instances that
+  runs what the trace allows, and the on-demand instances the coordinator's deadline
+  policy wants (its `provisioning` record in etcd), each started after its start-up; it
+  pays them by pool in trace hours. `--baseline spot-only` replays the same without
+  on-demand instances;
 - `CheckpointRestartJob` is the reactive baseline (what users run today): a torchrun job
   with periodic checkpoints, killed and restarted from its last checkpoint on every
   change of the instance count.
@@ -22,6 +28,7 @@ a `JobLog` follows those files, and that is all a `ReplaySummary` needs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -45,11 +52,14 @@ from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.events import (
     Event, EventError, EventFollower, Iteration, LayoutChange, Load, Save, ThroughputLearned, read_events,
 )
+from megatron_parcae.provisioning.emulator import EmulatorProvisioner
+from megatron_parcae.provisioning.ledger import CostLedger
+from megatron_parcae.provisioning.pools import Market, Pool
 from megatron_parcae.tools.progress import Progress, hms
 from megatron_parcae.training.arguments import ArgumentError, parse_args
 from reconfig.placement import MAX_GPUS_PER_INSTANCE
 
-BASELINES = ("checkpoint-restart",)
+BASELINES = ("checkpoint-restart", "spot-only")
 # The coordinator's planning interval and Parcae's, in trace seconds: what a restart or a
 # migration is compared with.
 INTERVAL_TRACE_SECONDS = 60.0
@@ -57,6 +67,8 @@ PREDICTION_INTERVALS = 5  # the coordinator's learned step time is checked after
 # Workers and the coordinator renew leases from background threads; on a machine running
 # more processes than it has cores those threads can stall for seconds.
 LEASE_SECONDS = 5.0
+# How long a deadline's replay waits for the coordinator's first cost record (its clock).
+COORDINATOR_START_SECONDS = 180.0
 # torchrun's per-process error files go here, in the replay's folder, not in a temporary
 # folder of torchrun's own that nobody removes.
 TORCHRUN_LOGS = "torchrun-logs"
@@ -242,11 +254,37 @@ class Job(Protocol):
     def check(self) -> bool: ...
 
 
+@dataclass(frozen=True)
+class DeadlineSetting:
+    """A replay with a deadline: train `iterations` within `hours` of the trace from its
+    hour 0 (`Buyer`), buying spot and on-demand instances from `market` (prices per trace
+    hour, start-up in trace hours); `on_demand`: whether the coordinator may buy them."""
+
+    market: Market
+    hours: float
+    iterations: int
+    speedup: float
+    on_demand: bool = True
+
+    def coordinator_config(self) -> dict:
+        """The coordinator's pools, deadline and provisioner, on its clock (the wall's):
+        prices per wall hour, so that its dollars are the trace's."""
+        def wall(pool: Pool) -> dict:
+            return {"name": pool.name, "market": pool.market, "gpus_per_instance": pool.gpus_per_instance,
+                    "price": float(pool.price) * self.speedup, "max_count": pool.max_count,
+                    "startup_hours": pool.startup_hours / self.speedup}
+
+        return {"pools": [wall(self.market.spot), wall(self.market.on_demand)],
+                "deadline": {"iterations": self.iterations, "hours": self.hours / self.speedup},
+                **({"provisioner": {"backend": "emulator"}} if self.on_demand else {})}
+
+
 class ParcaeJob:
     """The job under test with --parcae: coordinator, etcd and one worker per instance."""
 
     def __init__(self, script: str, command_args: list[str], workdir: Path, profile: Path, grace_seconds: float,
-                 interval_seconds: float, max_instances: int, seed: int, gpus_per_instance: int = 1) -> None:
+                 interval_seconds: float, max_instances: int, seed: int, gpus_per_instance: int = 1,
+                 deadline: DeadlineSetting | None = None) -> None:
         from megatron_parcae.control.etcd import EtcdServer
 
         self.script, self.args, self.workdir = script, command_args, workdir
@@ -258,7 +296,9 @@ class ParcaeJob:
         self._workers: dict[int, _Process] = {}
         self._instances: dict[str, int] = {}  # the emulator provisioner's instances, by name
         self._next_id = 0
+        self._initial = 0  # instances started at the first step (a deadline's replay): not arrivals
         self.job = f"replay-{os.getpid()}-{int(time.time())}"
+        self.deadline = deadline
         self._server = EtcdServer().start()
         # The first plan does not wait for every initial instance: some may be preempted
         # before they have started (as in real traces), and joining later costs little.
@@ -266,13 +306,18 @@ class ParcaeJob:
                   "grace-seconds": grace_seconds, "lease-seconds": LEASE_SECONDS,
                   "max-workers": max_instances * gpus_per_instance, "min-workers": 1,
                   "distributed-optimizer": "--use-distributed-optimizer" in command_args,
-                  "gpus-per-instance": gpus_per_instance}
+                  "gpus-per-instance": gpus_per_instance, **(deadline.coordinator_config() if deadline else {})}
         self._config_path = workdir / "coordinator.yaml"
         self._config_path.write_text(json.dumps(config, indent=1))  # JSON is YAML
         self._coordinators = 0
         try:
             self.start_coordinator()
+            self.buyer = None if deadline is None else Buyer(self, deadline, self._server.endpoint, self.job)
+            if self.buyer is not None:
+                self.buyer.start(lambda: self._coordinator.popen.poll() is None)
         except BaseException:
+            if self._coordinators:
+                self._coordinator.kill()
             self._server.stop()
             raise
 
@@ -309,6 +354,11 @@ class ParcaeJob:
         return sorted(w for w, p in self._workers.items() if not p.preempted and p.popen.poll() is None)
 
     def resize(self, count: int) -> None:
+        if self.buyer is not None:  # the spot pool's capacity: its provisioner starts and preempts
+            first = not self._next_id
+            self.buyer.capacity(count)
+            self._initial = self._next_id if first else self._initial
+            return
         alive = self.alive()
         if count < len(alive):
             for worker in self._rng.sample(alive, len(alive) - count):
@@ -357,6 +407,9 @@ class ParcaeJob:
         """Whether training has ended (the coordinator exits then). Fails fast when a process
         dies on its own, not preempted: the replay would mean nothing."""
         self.log.poll()
+        if self.buyer is not None:
+            self.buyer.poll()
+            self.arrivals = self._next_id - self._initial
         for worker, p in self._workers.items():
             code = p.popen.poll()
             if code == FENCED_EXIT and not p.preempted:  # it stalled, and the job went on without it
@@ -372,6 +425,8 @@ class ParcaeJob:
     def stop(self) -> None:
         """The replay is over: everything still running is killed at once (its etcd goes
         too, so nothing needs a graceful exit); what was trained counts."""
+        if self.buyer is not None:
+            self.buyer.close()
         processes = [self._coordinator, *self._workers.values()]
         for p in processes:
             p.signal(signal.SIGKILL)
@@ -379,6 +434,100 @@ class ParcaeJob:
             p.popen.wait()
         self._server.stop()
         self.log.poll()
+
+
+class Buyer:
+    """What the replay does for a job with a deadline (see the module docstring): the
+    emulator's provisioner on the trace's clock, the coordinator's on-demand counts
+    applied as they are published, dollars by pool.
+
+    Trace hour 0 is when the coordinator started counting dollars (its cost record's
+    `started_at`): its deadline's `hours` count from then, so the replay judges the same
+    deadline that the coordinator plans for. The trace's first step follows within about
+    an interval (the coordinator publishes its first cost record at its first boundary)."""
+
+    def __init__(self, host, setting: DeadlineSetting, endpoint: str, job: str) -> None:
+        from megatron_parcae.control.etcd import EtcdClient, JobStore
+
+        self.setting = setting
+        self.spot, self.on_demand = setting.market.spot.name, setting.market.on_demand.name
+        pools = (setting.market.spot, setting.market.on_demand)
+        self.emulator = EmulatorProvisioner(pools, host, self.hours)
+        self.ledger = CostLedger({p.name: p for p in pools}, 0.0)  # on the trace's clock, in seconds
+        self.started_at: float | None = None  # Unix time of trace hour 0: the coordinator's started_at
+        self._started = 0.0  # monotonic, likewise
+        self._fleet = False  # whether the spot fleet was asked for (at the first step)
+        self._client = EtcdClient(endpoint)
+        self._store = JobStore(self._client, job)
+        self._decided_at = 0.0  # of the newest record applied
+        self.provisioned: list[dict] = []  # each change of the on-demand count, in trace hours
+
+    def start(self, alive: Callable[[], bool], timeout_seconds: float = COORDINATOR_START_SECONDS) -> None:
+        """Wait for the coordinator's first cost record and take its clock. ReplayError when
+        the coordinator exits or publishes none within `timeout_seconds`."""
+        give_up = time.monotonic() + timeout_seconds
+        while True:
+            try:
+                record = self._store.cost()
+            except Exception as exc:  # noqa: BLE001 - SchemaError or EtcdError: the replay means nothing then
+                raise ReplayError(f"the coordinator's cost record: {exc}") from None
+            if record is not None:
+                break
+            if not alive():
+                raise ReplayError("the coordinator exited before it counted any dollars (see its log)")
+            if time.monotonic() > give_up:
+                raise ReplayError(f"the coordinator published no cost record within {timeout_seconds:g} s")
+            time.sleep(0.1)
+        self.started_at = record.started_at
+        self._started = time.monotonic() - (time.time() - record.started_at)
+
+    def hours(self) -> float:
+        """Trace hours since the coordinator started counting (0 before `start`)."""
+        if self.started_at is None:
+            return 0.0
+        return (time.monotonic() - self._started) * self.setting.speedup / 3600
+
+    def trace_hours(self, at: float) -> float:
+        """The trace hour of the Unix time `at`."""
+        return (at - (self.started_at or at)) * self.setting.speedup / 3600
+
+    def capacity(self, count: int) -> None:
+        """A step of the trace: the spot instances the market allows from now on. The fleet
+        asks for the spot pool's max count at the first."""
+        self._pay()
+        self.emulator.set_capacity(self.spot, count)
+        if not self._fleet:
+            self._fleet = True
+            self.emulator.request(self.spot, self.setting.market.spot.max_count)
+
+    def poll(self) -> None:
+        """Apply a newly published on-demand count; start the instances whose start-up is over."""
+        if self.started_at is None:
+            return
+        self._pay()
+        if self.setting.on_demand:
+            try:
+                record = self._store.provisioning()
+            except Exception as exc:  # noqa: BLE001 - SchemaError or EtcdError: the replay means nothing then
+                raise ReplayError(f"the coordinator's provisioning record: {exc}") from None
+            if record is not None and record.decided_at != self._decided_at and self.on_demand in record.wanted:
+                self._decided_at = record.decided_at
+                held, wanted = self.emulator.held(self.on_demand), record.wanted[self.on_demand]
+                names = self.emulator.apply({self.on_demand: wanted}).get(self.on_demand, [])
+                self.provisioned.append({"trace_hours": round(self.hours(), 4), "pool": self.on_demand,
+                                         "held": held, "wanted": wanted, "instances": names,
+                                         "reason": record.reason})
+        self.emulator.step()
+
+    def _pay(self) -> None:
+        """Pay what was held since the last count: spot instances while they run,
+        on-demand ones from their request (start-up included) until given back."""
+        self.ledger.advance(self.hours() * 3600, {self.spot: len(self.emulator.running(self.spot)),
+                                                  self.on_demand: self.emulator.held(self.on_demand)})
+
+    def close(self) -> None:
+        self._pay()
+        self._client.close()
 
 
 class CheckpointRestartJob:
@@ -534,6 +683,13 @@ class ReplaySummary:
     # By layout the coordinator ran for PREDICTION_INTERVALS intervals: what it then predicted
     # an iteration takes, the median the workers logged, and the relative error.
     predicted_vs_measured: dict[str, dict[str, float]] = field(default_factory=dict)
+    # With a deadline (DeadlineSetting), in trace hours from the first step: when the last
+    # iteration was logged (None: not reached), dollars by pool, each on-demand change.
+    deadline_hours: float | None = None
+    finish_hours: float | None = None
+    met_deadline: bool | None = None
+    dollars: dict[str, float] | None = None
+    provisioned: list[dict] = field(default_factory=list)
 
     @classmethod
     def of(cls, mode: str, job: Job, wall_seconds: float, **setting) -> ReplaySummary:
@@ -585,6 +741,25 @@ class ReplaySummary:
                                                    "measured_median_seconds": round(median, 4),
                                                    "error": round(seconds / median - 1, 3)}
 
+    def with_deadline(self, buyer: Buyer, log: JobLog) -> None:
+        """Whether the run trained its iterations by the deadline, and what it paid by pool."""
+        setting = buyer.setting
+        done = [t for (iteration, _), (t, _) in zip(log.trained, log.progress) if iteration >= setting.iterations]
+        self.deadline_hours = setting.hours
+        self.finish_hours = round(buyer.trace_hours(log.started + done[0]), 4) if done else None
+        self.met_deadline = self.finish_hours is not None and self.finish_hours <= setting.hours
+        self.dollars = {pool: round(dollars, 2) for pool, dollars in buyer.ledger.dollars.items()}
+        self.provisioned = list(buyer.provisioned)
+
+    def deadline_line(self) -> str:
+        """'parcae: $12.34 (spot $5.00, on-demand $7.34); deadline 1.5 h met: finished at 1.32 h'."""
+        pools = ", ".join(f"{pool} ${dollars:,.2f}" for pool, dollars in self.dollars.items())
+        finish = "not finished" if self.finish_hours is None else f"finished at {self.finish_hours:.2f} h"
+        asked = sum(p["wanted"] > p["held"] for p in self.provisioned)
+        return (f"{self.mode}: ${sum(self.dollars.values()):,.2f} ({pools}); deadline {self.deadline_hours:g} h "
+                f"{'met' if self.met_deadline else 'missed'}: {finish}; on-demand counts changed "
+                f"{len(self.provisioned)} times ({asked} up, {len(self.provisioned) - asked} down)")
+
     def with_ideal(self, ideal: IdealThroughput, steps: list[ReplayStep], duration_seconds: float) -> None:
         """The simulator's `ideal` policy on this replay's exact steps: every change free,
         always the best layout for the instances available, at this run's throughput (`best`)."""
@@ -615,6 +790,11 @@ class ReplaySummary:
             ("wall seconds", f"{self.wall_seconds:.0f}"),
             (f"predicted/measured step ({PREDICTION_INTERVALS} int.)",
              ", ".join(f"{k} {v['error']:+.0%}" for k, v in self.predicted_vs_measured.items()) or "-"),
+            *(() if self.dollars is None else (
+                ("dollars", f"{sum(self.dollars.values()):,.2f}"),
+                *((f"dollars {pool}", f"{dollars:,.2f}") for pool, dollars in self.dollars.items()),
+                ("finish h (trace)", _number(self.finish_hours, 2)),
+                (f"deadline {self.deadline_hours:g} h", "met" if self.met_deadline else "missed"))),
         ]
 
 
@@ -711,14 +891,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the coordinator's prior: the model's layer profile (parcae profile) or throughput CSV; "
                              "default: `parcae profile --analytic` of the training command, corrected online")
     parser.add_argument("--baseline", choices=BASELINES, default=None,
-                        help="then replay the same trace with this baseline and compare")
+                        help="then replay the same trace with this baseline and compare: checkpoint-restart "
+                             "(torchrun restarted from its last checkpoint on every change) or spot-only (with "
+                             "--deadline-hours: the same job, no on-demand instances); default: none")
     parser.add_argument("--save-interval", type=int, default=20, help="the baseline's checkpoint interval (iterations)")
     parser.add_argument("--seed", type=int, default=0, help="which instances the preemptions hit")
     parser.add_argument("--workdir", type=Path, default=Path("replay"), help="logs, checkpoints, configs")
     parser.add_argument("--json", type=Path, default=None, help="write the summary here")
     parser.add_argument("--plot", type=Path, default=None, help="write a timeline PNG here")
+    deadline = parser.add_argument_group("a deadline, bought from a spot and an on-demand pool")
+    deadline.add_argument("--deadline-hours", type=float, default=None, metavar="H",
+                          help="trace hours from the coordinator's start of counting (the trace's first step "
+                               "follows at once) by which the training command's --train-iters must be done: the "
+                               "job then runs a spot fleet of --max-instances and the on-demand instances the "
+                               "coordinator's deadline policy asks for, and the summary gives dollars by pool and "
+                               "whether it met the deadline (default: none, no pools)")
+    deadline.add_argument("--spot-price", type=float, default=0.918, metavar="DOLLARS",
+                          help="dollars per spot instance and trace hour (default 0.918)")
+    deadline.add_argument("--on-demand-price", type=float, default=3.06, metavar="DOLLARS",
+                          help="dollars per on-demand instance and trace hour (default 3.06)")
+    deadline.add_argument("--startup-hours", type=float, default=0.1, metavar="H",
+                          help="trace hours from an on-demand instance's request until its workers start, "
+                               "paid (default 0.1)")
+    deadline.add_argument("--on-demand-max", type=int, default=None, metavar="N",
+                          help="most on-demand instances at once (default: --max-instances)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="-- then the training script and its flags (without --parcae)")
+
+
+def _deadline(args: argparse.Namespace, iterations: int) -> DeadlineSetting | None:
+    """The replay's deadline and pools (None without --deadline-hours)."""
+    if args.deadline_hours is None:
+        if args.baseline == "spot-only":
+            raise ValueError("--baseline spot-only needs --deadline-hours")
+        return None
+    if not (math.isfinite(args.deadline_hours) and args.deadline_hours > 0):
+        raise ValueError(f"--deadline-hours must be positive, got {args.deadline_hours}")
+    on_demand_max = args.max_instances if args.on_demand_max is None else args.on_demand_max
+    g = args.gpus_per_instance
+    market = Market(Pool("spot", "spot", g, args.spot_price, args.max_instances),
+                    Pool("on-demand", "on-demand", g, args.on_demand_price, on_demand_max, args.startup_hours))
+    return DeadlineSetting(market, args.deadline_hours, iterations, args.speedup)
 
 
 def _training_command(args: argparse.Namespace) -> tuple[str, list[str], str]:
@@ -813,6 +1026,7 @@ def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
         end = args.end_hour if args.end_hour is not None else trace.duration_seconds / 3600.0
         segment = trace.cut(args.start_hour, end).scale(args.max_instances)
         steps = replay_steps(segment, args.speedup)
+        deadline = _deadline(args, parse_args(flags, prog=script, model=model, world_size=1).train_iters)
     except (ValueError, TraceFormatError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -820,9 +1034,16 @@ def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
     setting = dict(trace=str(args.trace), hours=[args.start_hour, end], speedup=args.speedup,
                    grace_seconds=args.grace_seconds, max_instances=args.max_instances,
                    gpus_per_instance=args.gpus_per_instance)
-    runs: list[tuple[str, Callable[[Path], Job]]] = [("parcae", lambda d: ParcaeJob(
-        script, flags, d, args.profile or analytic_prior(flags, model, d), args.grace_seconds, 60.0 / args.speedup, args.max_instances, args.seed,
-        args.gpus_per_instance))]
+
+    def parcae_job(on_demand: bool) -> Callable[[Path], Job]:
+        return lambda d: ParcaeJob(
+            script, flags, d, args.profile or analytic_prior(flags, model, d), args.grace_seconds, 60.0 / args.speedup,
+            args.max_instances, args.seed, args.gpus_per_instance,
+            None if deadline is None else dataclasses.replace(deadline, on_demand=on_demand))
+
+    runs: list[tuple[str, Callable[[Path], Job]]] = [("parcae", parcae_job(True))]
+    if args.baseline == "spot-only":
+        runs.append(("spot-only", parcae_job(False)))
     if args.baseline == "checkpoint-restart":
         runs.append(("checkpoint-restart", lambda d: CheckpointRestartJob(
             script, flags, d, args.save_interval, args.grace_seconds, args.gpus_per_instance)))
@@ -844,8 +1065,10 @@ def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
             print(f"{prog}: error: {mode}: {exc}", file=sys.stderr)
             return 1
         summaries.append(ReplaySummary.of(mode, job, wall, **setting))
-        if mode == "parcae":
+        if isinstance(job, ParcaeJob):
             summaries[-1].with_predictions(workdir, job.log.step_seconds)
+            if job.buyer is not None:
+                summaries[-1].with_deadline(job.buyer, job.log)
     coordinator_profile = Path(json.loads((args.workdir / "parcae" / "coordinator.yaml").read_text())["profile"])
     ideal = IdealThroughput(coordinator_profile, args.max_instances * args.gpus_per_instance, args.gpus_per_instance)
     for summary in summaries:
@@ -858,12 +1081,15 @@ def _replay_and_compare(args: argparse.Namespace, prog: str) -> int:
           f"each run measured of the layouts it ran, the profile's scaled to them for the others ({measured}); "
           f"trace seconds are wall x {args.speedup:g}, "
           f"an interval is {INTERVAL_TRACE_SECONDS:g} trace s", flush=True)
+    for summary in summaries:
+        if summary.dollars is not None:
+            print(summary.deadline_line(), flush=True)
     result: dict = {s.mode: asdict(s) for s in summaries}
-    if len(summaries) == 2:
+    if args.baseline == "checkpoint-restart":
         result["restart_to_interval"] = summaries[1].change_to_interval
         print(f"{summaries[1].mode}: a restart is {_number(summaries[1].change_to_interval, 2)} of an interval "
               f"(Parcae measured 29-43 s restarts against 60 s intervals: 0.48-0.72)", flush=True)
-    if len(summaries) == 2 and summaries[1].samples:
+    if args.baseline == "checkpoint-restart" and summaries[1].samples:
         result["ratio"] = round(summaries[0].samples / summaries[1].samples, 3)
         print(f"parcae / {summaries[1].mode} samples: {result['ratio']:.2f}x", flush=True)
     if args.json:

@@ -14,6 +14,7 @@ Every key of a job, all under `/parcae/<job>/`:
     done                DoneRecord        training ended
     network             NetworkRecord     the network between two instances, measured once at the start; on no lease
     cost                CostRecord        dollars so far by pool, projected finish and cost; on no lease
+    provisioning        ProvisioningRecord the instances the coordinator wants of each on-demand pool; on no lease
     store/...           (torch store)     the WORLDs' rendezvous (etcd/store.py), `parcae/g<N>/` per generation
 
 Every value is JSON and is validated on read and on write against the record's declared
@@ -508,6 +509,25 @@ class CostRecord(Record):
             raise SchemaError(where, "unit, target and deadline_at go together")
 
 
+@dataclass(frozen=True)
+class ProvisioningRecord(Record):
+    """The instances of each on-demand pool the coordinator's deadline policy wants held
+    from `decided_at` on, and why (control/provisioning.py). A backend that runs in another
+    process (the emulator, inside `parcae replay`) applies it; a successor coordinator
+    starts from it."""
+
+    decided_at: float
+    wanted: dict
+    reason: str
+
+    SCHEMA = {"decided_at": _TIME, "wanted": Field(dict, 0, MAX_POOLS), "reason": Field(str, 0, 1000)}
+
+    def check(self, where: str) -> None:
+        for pool, count in self.wanted.items():
+            _NAME.check(pool, f"{where}.wanted key")
+            Field(int, 0, 2**31 - 1).check(count, f"{where}.wanted.{pool}")
+
+
 def _body(where: str, cls: type, body: dict) -> Any:
     """A record's body as the reconfig/ object it encodes; that class validates it."""
     try:
@@ -681,6 +701,10 @@ class JobKeys:
     @property
     def cost(self) -> str:
         return self.prefix + "cost"
+
+    @property
+    def provisioning(self) -> str:
+        return self.prefix + "provisioning"
 
     def member(self, worker_id: int) -> str:
         return f"{self.members}{_WORKER.check(worker_id, 'worker id'):010d}"
@@ -936,3 +960,14 @@ class JobStore:
     def publish_cost(self, record: CostRecord, guard: Sequence[Compare]) -> bool:
         """Write the cost record if every condition of `guard` holds (the leader lease)."""
         return self.client.txn(list(guard), [Put(self.keys.cost, record.encode())]).succeeded
+
+    # -- instances wanted ------------------------------------------------------------
+
+    def provisioning(self) -> ProvisioningRecord | None:
+        """The on-demand instances the coordinator wants; None until it decided any."""
+        kv = self.client.get(self.keys.provisioning)
+        return None if kv is None else ProvisioningRecord.decode(kv.value, kv.key)
+
+    def publish_provisioning(self, record: ProvisioningRecord, guard: Sequence[Compare]) -> bool:
+        """Write the provisioning record if every condition of `guard` holds (the leader lease)."""
+        return self.client.txn(list(guard), [Put(self.keys.provisioning, record.encode())]).succeeded
