@@ -23,6 +23,7 @@ SCRIPT = REPO / "scripts" / "slurm" / "local-cluster.sh"
 UNAVAILABLE = 3  # the script's exit status where SLURM cannot be had
 NODES = 4  # of spot and prio
 CONTROL_NODES = 1  # of control: never preempted, for the elastic mode's control job
+ONDEMAND_NODES = 2  # of ondemand: never preempts, never preempted, for on-demand instances
 GRACE_S = 5  # GraceTime of the spot partition
 KILL_WAIT_S = 5  # KillWait in the script's slurm.conf
 GRACE_TIMER_S = 30  # slurmctld looks for ended grace times on this fixed timer (22.05)
@@ -119,9 +120,9 @@ def _free_port_block(first: int, size: int) -> int:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A cluster of NODES nodes (partitions spot and prio) and CONTROL_NODES (partition
-    control) in its own directory and ports: a user's cluster or another pytest worker's
-    is left alone. Stopped at the end."""
+    """A cluster of NODES nodes (partitions spot and prio), CONTROL_NODES (partition
+    control) and ONDEMAND_NODES (partition ondemand) in its own directory and ports: a
+    user's cluster or another pytest worker's is left alone. Stopped at the end."""
     if os.name != "posix" or os.geteuid() != 0:
         pytest.skip("the local SLURM cluster needs root")
     if shutil.which("sbatch") is None and shutil.which("apt-get") is None:
@@ -131,8 +132,9 @@ def slurm_cluster():
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(PARCAE_SLURM_DIR=str(base), PARCAE_SLURM_NODES=str(NODES), PARCAE_SLURM_GRACE=str(GRACE_S),
-               PARCAE_SLURM_CONTROL_NODES=str(CONTROL_NODES),
-               PARCAE_SLURM_PORT=str(_free_port_block(17817 + 50 * worker, NODES + CONTROL_NODES + 1)),
+               PARCAE_SLURM_CONTROL_NODES=str(CONTROL_NODES), PARCAE_SLURM_ONDEMAND_NODES=str(ONDEMAND_NODES),
+               PARCAE_SLURM_PORT=str(_free_port_block(17817 + 50 * worker,
+                                                      NODES + CONTROL_NODES + ONDEMAND_NODES + 1)),
                SLURM_CONF=str(base / "slurm.conf"))
     try:
         start = subprocess.run(["bash", str(SCRIPT), "start"], env=env, capture_output=True, text=True,

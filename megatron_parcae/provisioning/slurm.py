@@ -9,12 +9,21 @@ pool's partition; `release` cancels elements, pending ones first, then the newes
 running; `running` and `pool_of` read the queue. The element script names its instance
 `<array>_<element>.<requeue>@<node>`, so a member record leads to its array and so to
 its partition and pool. Commands go through `runner(argv, env) -> stdout`, which tests
-replace; the environment passes PARCAE_CONTROL_JOB (this job's id) on to the elements.
+replace.
+
+The elements get the control job's environment, as `parcae slurm submit`'s array does
+(PARCAE_JOB, PARCAE_RUN_DIR, ...), with PARCAE_CONTROL_JOB set to the control job and
+without its SLURM_* variables, which would otherwise pass its own settings (such as
+SLURM_CPUS_PER_TASK) on to the elements' srun. Their logs go to
+$PARCAE_RUN_DIR/element-<array>_<element>.out. What `parcae slurm submit` set is the
+default for what the options leave out: the training flags (PARCAE_TRAINING_FLAGS, a
+JSON list) and the spot elements' grace time (PARCAE_GRACE_SECONDS).
 """
 
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import shlex
 import subprocess
@@ -29,6 +38,11 @@ from megatron_parcae.provisioning.provisioner import Instance, Provisioner, Prov
 ELEMENT_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "slurm" / "elastic-worker.sbatch"
 COMMAND_SECONDS = 60
 _OPTIONS = ("partitions", "script", "job-name", "gres", "grace-seconds", "sbatch-args", "training-flags", "user")
+# squeue's states of an element that is gone, and of one on its way out (cancelled, or
+# preempted and about to be requeued): held still, neither running nor to be released.
+_ENDED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                    "DEADLINE", "OUT_OF_MEMORY"})
+_LEAVING = "COMPLETING"
 
 Runner = Callable[[list[str], Mapping[str, str]], str]
 
@@ -63,7 +77,7 @@ class SlurmOptions:
     gres: str | None = None  # default gpu:G; "none": no --gres
     grace_seconds: int | None = None  # spot elements get SIGTERM this long before they are killed
     sbatch_args: tuple[str, ...] = ()
-    training_flags: tuple[str, ...] = ()  # passed to every element's workers
+    training_flags: tuple[str, ...] | None = None  # passed to every element's workers; default $PARCAE_TRAINING_FLAGS
     user: str | None = None  # whose queue to read; default the current user
 
     @classmethod
@@ -108,6 +122,26 @@ class _Element:
         return f"{self.array}_{self.task}"
 
 
+def _environment_flags(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The training flags `parcae slurm submit` passed on in PARCAE_TRAINING_FLAGS."""
+    text = environ.get("PARCAE_TRAINING_FLAGS")
+    if text is None:
+        return ()
+    try:
+        return _strings("PARCAE_TRAINING_FLAGS", json.loads(text))
+    except ValueError as exc:
+        raise ProvisionerError(f"PARCAE_TRAINING_FLAGS: not a JSON list of strings: {exc}") from None
+
+
+def _environment_grace(environ: Mapping[str, str]) -> int | None:
+    text = environ.get("PARCAE_GRACE_SECONDS")
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ProvisionerError(f"PARCAE_GRACE_SECONDS is {text!r}, expected a positive number of seconds")
+    return int(text)
+
+
 class SlurmProvisioner(Provisioner):
     """See the module docstring."""
 
@@ -125,7 +159,13 @@ class SlurmProvisioner(Provisioner):
         self._run = runner
         environ = dict(os.environ if environ is None else environ)
         control = environ.get("PARCAE_CONTROL_JOB") or environ.get("SLURM_JOB_ID")
-        self._env = {**environ, **({"PARCAE_CONTROL_JOB": control} if control else {})}
+        self._env = {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
+        if control:
+            self._env["PARCAE_CONTROL_JOB"] = control
+        self._run_dir = environ.get("PARCAE_RUN_DIR")
+        self._training_flags = options.training_flags if options.training_flags is not None \
+            else _environment_flags(environ)
+        self._grace_seconds = options.grace_seconds or _environment_grace(environ)
         self._user = options.user or environ.get("USER") or getpass.getuser()
         self._pool_of_partition = {partition: pool for pool, partition in options.partitions.items()}
         self._partition_of_array: dict[str, str] = {}
@@ -134,11 +174,12 @@ class SlurmProvisioner(Provisioner):
         """The sbatch command of `count` new elements of `pool`."""
         p = self.pool(pool)
         gres = self.options.gres or f"gpu:{p.gpus_per_instance}"
-        signal = [f"--signal=TERM@{self.options.grace_seconds}"] if p.preemptible and self.options.grace_seconds else []
+        signal = [f"--signal=TERM@{self._grace_seconds}"] if p.preemptible and self._grace_seconds else []
+        output = [f"--output={self._run_dir}/element-%A_%a.out"] if self._run_dir else []
         return ["sbatch", "--parsable", f"--job-name={self.job_name}", f"--partition={self.options.partitions[pool]}",
                 f"--array=0-{count - 1}", f"--ntasks-per-node={p.gpus_per_instance}",
-                *([] if gres == "none" else [f"--gres={gres}"]), *signal, *self.options.sbatch_args,
-                str(self.options.script), *self.options.training_flags]
+                *([] if gres == "none" else [f"--gres={gres}"]), *signal, *output, *self.options.sbatch_args,
+                str(self.options.script), *self._training_flags]
 
     def request(self, pool: str, count: int) -> list[str]:
         held = len(self._elements(pool))
@@ -152,9 +193,9 @@ class SlurmProvisioner(Provisioner):
         return [f"{array}_{task}" for task in range(count)]
 
     def release(self, pool: str, count: int) -> list[str]:
-        elements = self._elements(pool)
-        # Pending ones first, then the newest running ones.
-        order = sorted(elements, key=lambda e: (e.state != "PENDING", -int(e.array), -e.task))
+        elements = [e for e in self._elements(pool) if e.state != _LEAVING]
+        # Those not running first (pending, requeued), then the newest running ones.
+        order = sorted(elements, key=lambda e: (e.state == "RUNNING", -int(e.array), -e.task))
         chosen = [e.name for e in order[:self.check_count(count)]]
         if chosen:
             self._run(["scancel", *chosen], self._env)
@@ -172,6 +213,7 @@ class SlurmProvisioner(Provisioner):
         return self._pool_of_partition.get(self._partition_of_array.get(array, ""))
 
     def _elements(self, pool: str) -> list[_Element]:
+        """The pool's elements SLURM holds: those leaving too, which a preemption requeues."""
         partition = self.options.partitions[self.pool(pool).name]
         return [e for e in self._queue() if e.partition == partition]
 
@@ -186,7 +228,7 @@ class SlurmProvisioner(Provisioner):
                 continue
             element = _Element(words[0], int(words[1]), words[2], words[3])
             self._partition_of_array[element.array] = element.partition
-            if element.state not in ("COMPLETING", "COMPLETED", "CANCELLED", "FAILED"):
+            if element.state not in _ENDED:
                 elements.append(element)
         return elements
 

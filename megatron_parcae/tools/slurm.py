@@ -21,6 +21,7 @@ scripts/slurm/README.md lists the SLURM settings the mode needs.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pwd
 import re
@@ -249,7 +250,7 @@ def submit(args: argparse.Namespace) -> int:
     # PATH are this environment's.
     settings = {"PARCAE_REPO": str(REPO), "PARCAE_JOB": args.job_name, "PARCAE_RUN_DIR": str(run_dir),
                 "PARCAE_MODEL": args.model, "PARCAE_COORDINATOR_CONFIG": str(config),
-                "PARCAE_GRACE_SECONDS": str(grace)}
+                "PARCAE_GRACE_SECONDS": str(grace), "PARCAE_TRAINING_FLAGS": json.dumps(flags)}
     if args.etcd is not None:
         settings["PARCAE_ETCD"] = args.etcd
         settings.update({k: str(Path(v).resolve()) for k, v in etcd_files.items() if v is not None})

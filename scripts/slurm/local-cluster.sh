@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A real SLURM 22.05 cluster on this one machine, for the tests and for trying the batch
-# scripts: munged, slurmctld and several slurmd "nodes" on 127.0.0.1 (own ports), and three
+# scripts: munged, slurmctld and several slurmd "nodes" on 127.0.0.1 (own ports), and four
 # partitions: `spot` (preemptible: requeue after a grace time) and `prio` (preempts spot) on
-# the same nodes, and `control` (never preempted) on nodes of its own, for the elastic
-# mode's control job (etcd and the coordinator).
+# the same nodes, `control` (never preempted) on nodes of its own, for the elastic mode's
+# control job (etcd and the coordinator), and `ondemand` (never preempts, never preempted)
+# on nodes of its own, for the on-demand instances a deadline job buys.
 #
 #   local-cluster.sh start     install SLURM if missing, write the config, start the
 #                              daemons, wait until every node is idle (already up: fine)
@@ -17,8 +18,10 @@
 #   PARCAE_SLURM_DIR      everything: config, state, logs, pid files (/tmp/parcae-slurm)
 #   PARCAE_SLURM_NODES    slurmd nodes of spot and prio, node1..nodeN (4)
 #   PARCAE_SLURM_CONTROL_NODES  slurmd nodes of control, ctl1..ctlM (1; 0: no control partition)
+#   PARCAE_SLURM_ONDEMAND_NODES slurmd nodes of ondemand, od1..odK (0: no ondemand partition)
 #   PARCAE_SLURM_CPUS     CPUs each node declares; more than the machine has is fine (4)
-#   PARCAE_SLURM_PORT     slurmctld's port; nodeI listens on PORT+I, ctlJ on PORT+N+J (16817)
+#   PARCAE_SLURM_PORT     slurmctld's port; nodeI listens on PORT+I, ctlJ on PORT+N+J,
+#                         odL on PORT+N+M+L (16817)
 #   PARCAE_SLURM_GRACE    GraceTime of `spot`, seconds (10)
 #   PARCAE_SLURM_TIMEOUT  seconds to wait for idle nodes, a drained queue (60)
 #
@@ -83,9 +86,11 @@ nodes() { sed -n 's/^NodeName=\([^ ]*\) .*/\1/p' "$conf"; }
 
 write_config() {
   local n=${PARCAE_SLURM_NODES:-4} cpus=${PARCAE_SLURM_CPUS:-4} port=${PARCAE_SLURM_PORT:-16817}
-  local grace=${PARCAE_SLURM_GRACE:-10} control=${PARCAE_SLURM_CONTROL_NODES:-1} i
+  local grace=${PARCAE_SLURM_GRACE:-10} control=${PARCAE_SLURM_CONTROL_NODES:-1}
+  local ondemand=${PARCAE_SLURM_ONDEMAND_NODES:-0} i
   [[ $n =~ ^[1-9][0-9]*$ && $cpus =~ ^[1-9][0-9]*$ && $port =~ ^[1-9][0-9]*$ && $grace =~ ^[0-9]+$ &&
-    $control =~ ^[0-9]+$ ]] || fail "PARCAE_SLURM_NODES, _CPUS, _PORT, _GRACE and _CONTROL_NODES must be whole numbers"
+    $control =~ ^[0-9]+$ && $ondemand =~ ^[0-9]+$ ]] ||
+    fail "PARCAE_SLURM_NODES, _CPUS, _PORT, _GRACE, _CONTROL_NODES and _ONDEMAND_NODES must be whole numbers"
   {
     cat <<EOF
 # Written by scripts/slurm/local-cluster.sh: a test cluster on one machine, everything as root.
@@ -137,14 +142,17 @@ MessageTimeout=$((grace + 50))
 MinJobAge=600
 InactiveLimit=0
 EOF
-    local workers=() controls=() node
-    for ((i = 1; i <= n + control; i++)); do
+    local workers=() controls=() ondemands=() node
+    for ((i = 1; i <= n + control + ondemand; i++)); do
       if ((i <= n)); then
         node=node$i
         workers+=("$node")
-      else
+      elif ((i <= n + control)); then
         node=ctl$((i - n))
         controls+=("$node")
+      else
+        node=od$((i - n - control))
+        ondemands+=("$node")
       fi
       echo "NodeName=$node NodeHostname=$node NodeAddr=127.0.0.1 Port=$((port + i))" \
         "CPUs=$cpus RealMemory=1000 State=UNKNOWN"
@@ -157,6 +165,10 @@ EOF
     # Never preempted, and no node shared with spot: the elastic mode's control job.
     ((control == 0)) || echo "PartitionName=control Nodes=${controls[*]} Default=NO MaxTime=INFINITE State=UP" \
       "OverSubscribe=NO PriorityTier=1 PreemptMode=OFF"
+    # On-demand instances: spot's tier, so they preempt nothing; no node shared, so nothing
+    # preempts them.
+    ((ondemand == 0)) || echo "PartitionName=ondemand Nodes=${ondemands[*]} Default=NO MaxTime=INFINITE" \
+      "State=UP OverSubscribe=NO PriorityTier=1 PreemptMode=OFF"
   } >"$conf.new"
   mv "$conf.new" "$conf"
 }
