@@ -164,6 +164,7 @@ def test_replay_refuses_spot_only_without_a_deadline(tmp_path, capsys):
     assert rc == 2 and "--baseline spot-only needs --deadline-hours" in err
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_a_live_replay_buys_on_demand_instances_when_behind(tiny_data, tmp_path):
     # g4dn hours 0.25-1.25 on at most 4 spot instances (4, then 2-3), 40 trace s a second:
