@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from collective_probe import read_findings
-from helpers import REPO, TRAIN, losses, shared_losses, start_logged, torchrun
+from helpers import REPO, TRAIN, kill_group, losses, shared_losses, start_logged, torchrun
 from slurm_cluster import slurm_cluster  # noqa: F401  # one cluster per test process, for every module
 
 # Fixtures that start processes (etcd servers, coordinators, workers, torchrun jobs): a
@@ -185,9 +185,7 @@ def live_job(etcd_server, client, tmp_path):
 
     yield JobStore(client, job), coordinator, worker, tmp_path
     for p in processes:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        kill_group(p)
     # Every collective of the live loop used its plane's device (tests/collective_probe.py).
     _, violations = read_findings(probe)
     assert not violations, violations

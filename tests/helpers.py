@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -117,8 +118,19 @@ def run_ranks(code: str, argv: Callable[[int], list[str]], ranks: int, env: dict
 
 
 def start_logged(cmd: list[str], log: Path) -> subprocess.Popen:
-    """A process of the repository, its output in `log`."""
-    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    """A process of the repository, its output in `log`, in a process group of its own
+    that `kill_group` ends with every process it forked."""
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL `p` and what it forked and left behind (an asynchronous save's writer)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
 
 
 def worker_events(logs: Path) -> list:

@@ -22,7 +22,9 @@ import dataclasses
 import json
 import os
 import queue
+import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -148,6 +150,12 @@ FINISH_POLL_SECONDS = 0.1  # how often `Checkpointer.finish` asks whether every 
 PLANNING_TIMEOUTS = 6  # an asynchronous save's collectives wait this many usual timeouts
 
 
+# CPython before 3.11.8 (gh-112275): a child forked while another thread is creating its
+# thread state deadlocks before its first instruction. An asynchronous save forks its writer
+# from a process whose gRPC and torch threads do that, so the save may never complete.
+FORK_MAY_DEADLOCK = sys.version_info < (3, 11, 8)
+
+
 class Checkpointer:
     """The saves of one training process, synchronous or, with `asynchronous`, written by
     a forked process while training goes on (megatron-core's async dist checkpoints).
@@ -162,6 +170,10 @@ class Checkpointer:
     def __init__(self, root: str | None, asynchronous: bool, collective_timeout: timedelta = SAVE_TIMEOUT) -> None:
         self.root = root
         self.asynchronous = asynchronous
+        if asynchronous and FORK_MAY_DEADLOCK and os.environ.get("LOCAL_RANK", "0") == "0":
+            warnings.warn(f"--async-save forks a writer for each save, and Python {sys.version.split()[0]} can "
+                          "leave it deadlocked (CPython gh-112275, fixed in 3.11.8 and 3.12): use a newer Python, "
+                          "or synchronous saves", stacklevel=2)
         self.collective_timeout = collective_timeout  # WORLD's usual one; saves may take SAVE_TIMEOUT
         if root is not None:
             compat.install_write_results_queue()

@@ -230,8 +230,9 @@ class LiveReconfiguration:
 
     def _keep_copies(self, runtime: Runtime, consumed_samples: int) -> None:
         """Snapshot the layout's state with its buddies' copies, when due (every worker of the
-        layout decides alike: same generation, same iteration)."""
-        if self.snapshots is None:
+        layout decides alike: same generation, same iteration). A layout of one worker takes
+        none: losing that worker loses the job, and no peer has a step to roll back to it."""
+        if self.snapshots is None or len(self.world.members) < 2:
             return
         iteration = consumed_samples // self.samples_per_iteration
         first = self.snapshots.generation != self.generation
