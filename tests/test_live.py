@@ -3,18 +3,32 @@ mid-run and started again, while a worker gets a notice and another arrives."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 from collective_probe import read_findings
-from helpers import ITERS, assert_close, trained_losses, wait_for, worker_events
+from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, worker_events
 import pytest
 
 from megatron_parcae.events import LayoutChange, MigrationCostLearned, NetworkMeasured, logged_steps, read_events
 
-def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted):
+def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted, monkeypatch):
+    """Steps are paced (tests/paced) until the second coordinator's first plan is applied,
+    so that training cannot end before it however slowly that coordinator starts."""
     store, coordinator, worker, logs = live_job
     first = coordinator("a")
-    workers = {w: worker(w) for w in (0, 1)}
+    pace = logs / "pace-while"
+    pace.touch()
+
+    def paced_worker(w: int):
+        with monkeypatch.context() as m:
+            m.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "paced"),
+                                                                 os.environ.get("PYTHONPATH")])))
+            m.setenv("PARCAE_TEST_STEP_SECONDS", "0.6")
+            m.setenv("PARCAE_TEST_PACE_WHILE", str(pace))
+            return worker(w)
+
+    workers = {w: paced_worker(w) for w in (0, 1)}
 
     def iteration() -> int:
         return max((r.iteration for r in store.step_reports().values()), default=0)
@@ -24,12 +38,15 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     first.wait()
     generation_at_kill = store.current_generation()
     workers[1].send_signal(signal.SIGTERM)  # a notice, and an arrival, while no coordinator runs
-    workers[2] = worker(2)
+    workers[2] = paced_worker(2)
     at_kill = iteration()
     wait_for(lambda: iteration() >= at_kill + 3, 60, "training to go on without a coordinator")
     assert store.current_generation() == generation_at_kill
 
     second = coordinator("b")
+    wait_for(lambda: any(isinstance(e, LayoutChange) and e.generation == generation_at_kill + 1
+                         for e in worker_events(logs)), 180, "the second coordinator's first plan applied")
+    pace.unlink()
     assert second.wait(timeout=300) == 0, (logs / "coordinator-b.log").read_text()[-3000:]
     for w, p in workers.items():
         assert p.wait(timeout=60) == 0, (logs / f"worker-{w}.log").read_text()[-3000:]
