@@ -117,6 +117,15 @@ def run_ranks(code: str, argv: Callable[[int], list[str]], ranks: int, env: dict
     return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs)]
 
 
+def with_sitecustomize(monkeypatch, folder: str, **env: str) -> None:
+    """Processes started from now on import tests/FOLDER/sitecustomize.py (it changes
+    their behaviour where `env` says how), with `env` set."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / folder),
+                                                                      os.environ.get("PYTHONPATH")])))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 def start_logged(cmd: list[str], log: Path) -> subprocess.Popen:
     """A process of the repository, its output in `log`, in a process group of its own
     that `kill_group` ends with every process it forked."""

@@ -9,12 +9,11 @@ what an uninterrupted one does."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 import pytest
 
-from helpers import ITERS, REPO, assert_close, wait_for, worker_events
+from helpers import ITERS, REPO, assert_close, wait_for, with_sitecustomize, worker_events
 from megatron_parcae.events import CopiesKept, Iteration, LayoutChange, PlanPublished, Save, logged_steps, read_events
 
 pytestmark = pytest.mark.slow
@@ -125,9 +124,7 @@ def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(liv
                                 else "max-workers: 1" if line.startswith("max-workers:") else line
                                 for line in config.read_text().splitlines()) + "\ndistributed-optimizer: true\n")
     processes = {0: worker(0, "--use-distributed-optimizer")}
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "lost_before_meeting"),
-                                                                      os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("PARCAE_TEST_LOST_BEFORE_MEETING", "1")
+    with_sitecustomize(monkeypatch, "lost_before_meeting", PARCAE_TEST_LOST_BEFORE_MEETING="1")
     processes[1] = worker(1, "--use-distributed-optimizer")
     wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
     first = coordinator("a")  # plans one worker: worker 1 waits on standby

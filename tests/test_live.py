@@ -3,11 +3,10 @@ mid-run and started again, while a worker gets a notice and another arrives."""
 
 from __future__ import annotations
 
-import os
 import signal
 
 from collective_probe import read_findings
-from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, worker_events
+from helpers import ITERS, assert_close, trained_losses, wait_for, with_sitecustomize, worker_events
 import pytest
 
 from megatron_parcae.events import LayoutChange, MigrationCostLearned, NetworkMeasured, logged_steps, read_events
@@ -22,10 +21,7 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
 
     def paced_worker(w: int):
         with monkeypatch.context() as m:
-            m.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "paced"),
-                                                                 os.environ.get("PYTHONPATH")])))
-            m.setenv("PARCAE_TEST_STEP_SECONDS", "0.6")
-            m.setenv("PARCAE_TEST_PACE_WHILE", str(pace))
+            with_sitecustomize(m, "paced", PARCAE_TEST_STEP_SECONDS="0.6", PARCAE_TEST_PACE_WHILE=str(pace))
             return worker(w)
 
     workers = {w: paced_worker(w) for w in (0, 1)}

@@ -21,7 +21,7 @@ import pytest
 
 from collective_probe import _replay, read_findings
 from helpers import (ITERS, REPO, SMALL_GPT, Run, assert_close, assert_same_state, child_env, computed_folder,
-                     layout_flags, losses, shared_losses, torchrun, wait_for, worker_events)
+                     layout_flags, losses, shared_losses, torchrun, wait_for, with_sitecustomize, worker_events)
 from megatron_parcae import events
 from megatron_parcae.events import CopiesKept, LayoutChange, logged_steps, read_events
 
@@ -141,10 +141,8 @@ def test_every_kind_of_change_keeps_to_nccls_rules(reference_run, tmp_path):
 
 def _damaging(monkeypatch, tmp_path: Path, damage: str) -> None:
     (tmp_path / "damage").mkdir()
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "damaged"),
-                                                                      os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("PARCAE_TEST_DAMAGE", damage)
-    monkeypatch.setenv("PARCAE_TEST_DAMAGE_DIR", str(tmp_path / "damage"))
+    with_sitecustomize(monkeypatch, "damaged", PARCAE_TEST_DAMAGE=damage,
+                       PARCAE_TEST_DAMAGE_DIR=str(tmp_path / "damage"))
 
 
 @pytest.mark.slow

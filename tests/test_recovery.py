@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, worker_events
+from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, with_sitecustomize, worker_events
 from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.events import LayoutChange, logged_steps
 
@@ -99,9 +99,7 @@ def test_a_step_whose_rank_0_died_before_logging_it_is_logged_by_a_rank_that_tra
     finding no record of it in etcd, logs it (flagged `relogged`). The survivors keep the
     step; with the distributed optimizer they lost rank 0's shard and roll back to their
     snapshots, so the step is trained again and, logged twice, counted as lost."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / "lost_before_logging"),
-                                                                      os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("PARCAE_TEST_LOST_BEFORE_LOGGING", str(LOST_BEFORE_LOGGING))
+    with_sitecustomize(monkeypatch, "lost_before_logging", PARCAE_TEST_LOST_BEFORE_LOGGING=str(LOST_BEFORE_LOGGING))
     store, _, _, logs = live_job
     monkeypatch.setenv("PARCAE_TEST_LOST_MARK", str(logs / "lost-before-logging"))
     workers, _ = _start_three(live_job, distributed_optimizer)

@@ -6,7 +6,6 @@ still dropped within two lease periods."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from datetime import timedelta
@@ -14,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from helpers import ITERS, REPO, wait_for
+from helpers import ITERS, wait_for, with_sitecustomize
 from megatron_parcae.events import Iteration, PlanPublished, read_events
 from reconfig import compat
 from reconfig.timeouts import EXCHANGE_FLOOR, exchange_timeout
@@ -133,13 +132,6 @@ def _live_job(live_job, workers: int) -> None:
                                 for line in config.read_text().splitlines()) + "\n")
 
 
-def _with_sitecustomize(monkeypatch, folder: str, **env: str) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / folder),
-                                                                      os.environ.get("PYTHONPATH")])))
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-
-
 @pytest.mark.slow
 def test_a_first_step_three_lease_periods_long_on_one_rank_breaks_nothing(live_job, monkeypatch):
     """A lease of 10 s keeps a loaded machine's scheduling noise small beside it."""
@@ -149,7 +141,7 @@ def test_a_first_step_three_lease_periods_long_on_one_rank_breaks_nothing(live_j
     _live_job(live_job, 2)
     processes = {0: worker(0, *flags)}
     with monkeypatch.context() as m:
-        _with_sitecustomize(m, "slow_first_step", PARCAE_TEST_FIRST_STEP_SECONDS=str(3 * lease))
+        with_sitecustomize(m, "slow_first_step", PARCAE_TEST_FIRST_STEP_SECONDS=str(3 * lease))
         processes[1] = worker(1, *flags)
     wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
     coordinator("a")
@@ -176,7 +168,7 @@ def test_a_worker_killed_mid_exchange_is_dropped_within_two_lease_periods(live_j
     processes = {0: worker(0, *flags)}
     killed_at = logs / "killed-at.json"
     with monkeypatch.context() as m:
-        _with_sitecustomize(m, "killed_mid_exchange", PARCAE_TEST_KILLED_AT=str(killed_at))
+        with_sitecustomize(m, "killed_mid_exchange", PARCAE_TEST_KILLED_AT=str(killed_at))
         processes[1] = worker(1, *flags)
     wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
     first = coordinator("a")  # plans one worker: worker 1 waits on standby
