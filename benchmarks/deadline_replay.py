@@ -3,7 +3,7 @@
 Runs one `parcae replay --deadline-hours D --baseline spot-only` on a segment of the g4dn
 trace where spot capacity (scaled to 12 instances) falls from 9 to 2-5 between trace
 hours 0.33 and 0.6, is back at 9 by 0.7 and at 12 by 1.1, then holds 8-12 until 2.5, with
-paced workers (tests/paced/sitecustomize.py: a step takes PACE seconds over the layout's
+paced workers (tests/hooks/paced.py: a step takes PACE seconds over the layout's
 world size, so 12 processes fit on 2 cores and more of them train faster): first with
 the coordinator's deadline policy buying on-demand instances through the emulator, then
 the same job on spot alone. Writes the command, the commit, the date, each run's
@@ -61,8 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     summary_path = Path(args.workdir + ".json")
     command = replay_command(args, Path(args.workdir), summary_path)
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "paced"), "PARCAE_TEST_STEP_SECONDS": str(args.pace)}
-    shown = f"PYTHONPATH=tests/paced PARCAE_TEST_STEP_SECONDS={args.pace:g} parcae " + shlex.join(command[3:])
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "hooks"), "PARCAE_TEST_HOOKS": "paced",
+           "PARCAE_TEST_STEP_SECONDS": str(args.pace)}
+    shown = f"PYTHONPATH=tests/hooks PARCAE_TEST_HOOKS=paced PARCAE_TEST_STEP_SECONDS={args.pace:g} parcae " + shlex.join(command[3:])
     print(shown, flush=True)
     done = subprocess.run(command, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE)
     if done.returncode != 0:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
              f"# run by: python -m benchmarks.deadline_replay {shlex.join(sys.argv[1:] if argv is None else argv)}",
              f"# commit: {commit}{' plus uncommitted changes' if dirty else ''}",
              f"# date: {date}",
-             "# machine: 2 CPU cores, no GPU; paced workers (tests/paced/sitecustomize.py)",
+             "# machine: 2 CPU cores, no GPU; paced workers (tests/hooks/paced.py)",
              f"# job: {args.iterations} iterations due {args.deadline_hours:g} trace hours after trace hour 0; "
              f"trace {args.trace} hours {args.start_hour:g}-{args.end_hour:g} scaled to {args.max_instances} "
              f"spot instances, {args.speedup:g} trace s per wall s; on-demand at most {args.on_demand_max}, "

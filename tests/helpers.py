@@ -117,12 +117,21 @@ def run_ranks(code: str, argv: Callable[[int], list[str]], ranks: int, env: dict
     return [(p.returncode, out, err) for p, (out, err) in zip(processes, outputs)]
 
 
-def with_sitecustomize(monkeypatch, folder: str, **env: str) -> None:
-    """Processes started from now on import tests/FOLDER/sitecustomize.py (it changes
-    their behaviour where `env` says how), with `env` set."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO / "tests" / folder),
-                                                                      os.environ.get("PYTHONPATH")])))
-    for name, value in env.items():
+HOOKS = REPO / "tests" / "hooks"
+
+
+def hooks_env(*names: str) -> dict[str, str]:
+    """The environment under which a Python process imports the test hooks `names`
+    (tests/hooks/NAME.py, by tests/hooks/sitecustomize.py) besides those already set."""
+    path = [str(HOOKS)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(HOOKS)]
+    hooks = [h for h in os.environ.get("PARCAE_TEST_HOOKS", "").split(",") if h and h not in names]
+    return {"PYTHONPATH": os.pathsep.join(path), "PARCAE_TEST_HOOKS": ",".join(hooks + list(names))}
+
+
+def with_hooks(monkeypatch, *names: str, **env: str) -> None:
+    """Processes started from now on import the test hooks `names` (each changes their
+    behaviour where `env` says how), with `env` set."""
+    for name, value in {**hooks_env(*names), **env}.items():
         monkeypatch.setenv(name, value)
 
 

@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from helpers import ITERS, REPO, assert_close, wait_for, with_sitecustomize, worker_events
+from helpers import ITERS, REPO, assert_close, wait_for, with_hooks, worker_events
 from megatron_parcae.events import CopiesKept, Iteration, LayoutChange, PlanPublished, Save, logged_steps, read_events
 
 pytestmark = pytest.mark.slow
@@ -110,7 +110,7 @@ def test_a_worker_lost_mid_change_has_the_change_retried_without_it(live_job, un
 @pytest.mark.extended
 def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(live_job, uninterrupted, monkeypatch):
     """The first layout, one worker, grows onto a joiner that dies as it reaches the new
-    WORLD's meeting point (tests/lost_before_meeting): the old worker kept its state through
+    WORLD's meeting point (tests/hooks/lost_before_meeting.py): the old worker kept its state through
     the failed change, so the change is retried from it without the joiner, losing no step.
     With the distributed optimizer no plan from the grown layout can do without the
     joiner's shard: the coordinator holds back a restart for the old worker's report, and
@@ -124,7 +124,7 @@ def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(liv
                                 else "max-workers: 1" if line.startswith("max-workers:") else line
                                 for line in config.read_text().splitlines()) + "\ndistributed-optimizer: true\n")
     processes = {0: worker(0, "--use-distributed-optimizer")}
-    with_sitecustomize(monkeypatch, "lost_before_meeting", PARCAE_TEST_LOST_BEFORE_MEETING="1")
+    with_hooks(monkeypatch, "lost_before_meeting", PARCAE_TEST_LOST_BEFORE_MEETING="1")
     processes[1] = worker(1, "--use-distributed-optimizer")
     wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
     first = coordinator("a")  # plans one worker: worker 1 waits on standby

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, TRACES
+from helpers import REPO, TRACES, hooks_env
 
 from megatron_parcae import cli
 from megatron_parcae.control.etcd import SchemaError
@@ -177,7 +177,7 @@ def test_a_live_replay_buys_on_demand_instances_when_behind(tiny_data, tmp_path)
                "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
                "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "12",
                "--log-interval", "1", "--train-iters", "60"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO / "tests" / "paced"),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **hooks_env("paced"),
            "PARCAE_TEST_STEP_SECONDS": "4"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"

@@ -6,13 +6,13 @@ from __future__ import annotations
 import signal
 
 from collective_probe import read_findings
-from helpers import ITERS, assert_close, trained_losses, wait_for, with_sitecustomize, worker_events
+from helpers import ITERS, assert_close, trained_losses, wait_for, with_hooks, worker_events
 import pytest
 
 from megatron_parcae.events import LayoutChange, MigrationCostLearned, NetworkMeasured, logged_steps, read_events
 
 def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterrupted, monkeypatch):
-    """Steps are paced (tests/paced) until the second coordinator's first plan is applied,
+    """Steps are paced (tests/hooks/paced.py) until the second coordinator's first plan is applied,
     so that training cannot end before it however slowly that coordinator starts."""
     store, coordinator, worker, logs = live_job
     first = coordinator("a")
@@ -21,7 +21,7 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
 
     def paced_worker(w: int):
         with monkeypatch.context() as m:
-            with_sitecustomize(m, "paced", PARCAE_TEST_STEP_SECONDS="0.6", PARCAE_TEST_PACE_WHILE=str(pace))
+            with_hooks(m, "paced", PARCAE_TEST_STEP_SECONDS="0.6", PARCAE_TEST_PACE_WHILE=str(pace))
             return worker(w)
 
     workers = {w: paced_worker(w) for w in (0, 1)}

@@ -5,7 +5,7 @@ On CPU every plane is gloo, which forgives what NCCL hangs on; the collective pr
 kind of change, snapshots with two and three instances, a join, and (tests/
 test_copies_live.py, whose workers run under the probe too) recoveries from snapshots
 post their traffic so that NCCL completes it. Messages that arrive damaged or short
-(tests/damaged) are never used: the change or the snapshot's exchange is taken again,
+(tests/hooks/damaged.py) are never used: the change or the snapshot's exchange is taken again,
 and training goes on exactly as an uninterrupted run.
 """
 
@@ -21,7 +21,7 @@ import pytest
 
 from collective_probe import _replay, read_findings
 from helpers import (ITERS, REPO, SMALL_GPT, Run, assert_close, assert_same_state, child_env, computed_folder,
-                     layout_flags, losses, shared_losses, torchrun, wait_for, with_sitecustomize, worker_events)
+                     layout_flags, losses, shared_losses, torchrun, wait_for, with_hooks, worker_events)
 from megatron_parcae import events
 from megatron_parcae.events import CopiesKept, LayoutChange, logged_steps, read_events
 
@@ -141,7 +141,7 @@ def test_every_kind_of_change_keeps_to_nccls_rules(reference_run, tmp_path):
 
 def _damaging(monkeypatch, tmp_path: Path, damage: str) -> None:
     (tmp_path / "damage").mkdir()
-    with_sitecustomize(monkeypatch, "damaged", PARCAE_TEST_DAMAGE=damage,
+    with_hooks(monkeypatch, "damaged", PARCAE_TEST_DAMAGE=damage,
                        PARCAE_TEST_DAMAGE_DIR=str(tmp_path / "damage"))
 
 

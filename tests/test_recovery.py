@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, with_sitecustomize, worker_events
+from helpers import ITERS, REPO, assert_close, trained_losses, wait_for, with_hooks, worker_events
 from megatron_parcae.control.agent import FENCED_EXIT
 from megatron_parcae.events import LayoutChange, logged_steps
 
@@ -95,11 +95,11 @@ def test_stalled_then_killed_workers_are_left_behind_in_place(live_job, uninterr
 def test_a_step_whose_rank_0_died_before_logging_it_is_logged_by_a_rank_that_trained_it(
         live_job, uninterrupted, monkeypatch, distributed_optimizer):
     """The layout's rank 0 is killed once the step is applied everywhere, before its log line
-    (tests/lost_before_logging): the first of the new layout's ranks that trained it,
+    (tests/hooks/lost_before_logging.py): the first of the new layout's ranks that trained it,
     finding no record of it in etcd, logs it (flagged `relogged`). The survivors keep the
     step; with the distributed optimizer they lost rank 0's shard and roll back to their
     snapshots, so the step is trained again and, logged twice, counted as lost."""
-    with_sitecustomize(monkeypatch, "lost_before_logging", PARCAE_TEST_LOST_BEFORE_LOGGING=str(LOST_BEFORE_LOGGING))
+    with_hooks(monkeypatch, "lost_before_logging", PARCAE_TEST_LOST_BEFORE_LOGGING=str(LOST_BEFORE_LOGGING))
     store, _, _, logs = live_job
     monkeypatch.setenv("PARCAE_TEST_LOST_MARK", str(logs / "lost-before-logging"))
     workers, _ = _start_three(live_job, distributed_optimizer)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, SMALL_GPT, assert_same_state, child_env, processes_mentioning, wait_for
+from helpers import REPO, SMALL_GPT, assert_same_state, child_env, hooks_env, processes_mentioning, wait_for
 from megatron_parcae.events import Event, Iteration, LayoutChange, Load, PlanPublished, Save, read_events
 from slurm_cluster import GRACE_S, NODES, SlurmCluster
 
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 ITERS = 400
 TRAIN = [*SMALL_GPT, "--train-iters", str(ITERS), "--lr", "3e-4", "--min-lr", "3e-5"]
 GLOBAL_BATCH = 8
-# The job's steps are paced (tests/paced/sitecustomize.py) until the layout grew back (at
+# The job's steps are paced (tests/hooks/paced.py) until the layout grew back (at
 # most REJOIN_TIMEOUT_S), so that training outlasts SLURM's fixed delays on any machine:
 # the grace time ends on a timer, a requeued element is held 11 s, then its workers import
 # torch. On 2 cores beside the other SLURM test the rejoin took 21-34 s, and once 87 s:
@@ -173,7 +173,7 @@ def run_preempted(cluster: SlurmCluster, folder: Path, name: str, instances: int
     if until_grown_back:
         pacing.touch()
     control, array, output = submit(cluster, folder, name, instances, *TRAIN, "--save-interval", str(ITERS),
-                                    grace=grace, PYTHONPATH=str(REPO / "tests" / "paced"),
+                                    grace=grace, **hooks_env("paced"),
                                     PARCAE_TEST_STEP_SECONDS=pace,
                                     **({"PARCAE_TEST_PACE_WHILE": str(pacing)} if until_grown_back else {}))
     job = ElasticJob(name, folder / "run", control, array, output)

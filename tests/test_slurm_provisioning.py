@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SMALL_GPT, wait_for
+from helpers import SMALL_GPT, hooks_env, wait_for
 from megatron_parcae.control.etcd import EtcdClient, JobStore
 from megatron_parcae.events import Provisioned, read_events
 from megatron_parcae.provisioning.pools import Pool
@@ -229,7 +229,7 @@ def test_coordinator_buys_on_demand_when_preempted_behind_and_gives_it_back_ahea
     result = parcae_slurm(slurm_cluster, "submit", "--partition", "spot", "--control-partition", "control",
                           "--instances", str(NODES), "--gres", "none", "--job-name", name, "--coordinator-config",
                           str(config), "--run-dir", str(run_dir), "--", *train,
-                          PYTHONPATH=str(Path(__file__).parent / "paced"), PARCAE_TEST_STEP_SECONDS=str(STEP_SECONDS))
+                          **hooks_env("paced"), PARCAE_TEST_STEP_SECONDS=str(STEP_SECONDS))
     assert result.returncode == 0, result.stderr
     control = re.search(r"control job (\d+)", result.stdout).group(1)
     spot = re.search(r"worker array (\d+)", result.stdout).group(1)

@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from helpers import ITERS, wait_for, with_sitecustomize
+from helpers import ITERS, wait_for, with_hooks
 from megatron_parcae.events import Iteration, PlanPublished, read_events
 from reconfig import compat
 from reconfig.timeouts import EXCHANGE_FLOOR, exchange_timeout
@@ -141,7 +141,7 @@ def test_a_first_step_three_lease_periods_long_on_one_rank_breaks_nothing(live_j
     _live_job(live_job, 2)
     processes = {0: worker(0, *flags)}
     with monkeypatch.context() as m:
-        with_sitecustomize(m, "slow_first_step", PARCAE_TEST_FIRST_STEP_SECONDS=str(3 * lease))
+        with_hooks(m, "slow_first_step", PARCAE_TEST_FIRST_STEP_SECONDS=str(3 * lease))
         processes[1] = worker(1, *flags)
     wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
     coordinator("a")
@@ -158,7 +158,7 @@ def test_a_first_step_three_lease_periods_long_on_one_rank_breaks_nothing(live_j
 @pytest.mark.slow
 def test_a_worker_killed_mid_exchange_is_dropped_within_two_lease_periods(live_job, monkeypatch):
     """Worker 0 trains alone, then a change grows the layout onto worker 1, which is
-    SIGKILLed (tests/killed_mid_exchange) as it comes to the exchange that brings it the
+    SIGKILLed (tests/hooks/killed_mid_exchange.py) as it comes to the exchange that brings it the
     state. A lease of 10 s keeps scheduling noise on a loaded machine small beside it."""
     store, coordinator, worker, logs = live_job
     lease = 10.0
@@ -168,7 +168,7 @@ def test_a_worker_killed_mid_exchange_is_dropped_within_two_lease_periods(live_j
     processes = {0: worker(0, *flags)}
     killed_at = logs / "killed-at.json"
     with monkeypatch.context() as m:
-        with_sitecustomize(m, "killed_mid_exchange", PARCAE_TEST_KILLED_AT=str(killed_at))
+        with_hooks(m, "killed_mid_exchange", PARCAE_TEST_KILLED_AT=str(killed_at))
         processes[1] = worker(1, *flags)
     wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
     first = coordinator("a")  # plans one worker: worker 1 waits on standby

@@ -1,8 +1,7 @@
 """Kills a worker started with PARCAE_TEST_KILLED_AT set (a path) in the middle of a
 layout change's exchange: as it comes to its first point-to-point operation while it
 applies a migration, it writes {"killed_at": <time.time()>} to that path and SIGKILLs
-itself, while its peers are inside the exchange with it. tests/test_timeouts.py puts this
-folder on PYTHONPATH for that worker alone (Python imports `sitecustomize` at start)."""
+itself, while its peers are inside the exchange with it."""
 
 import json
 import os

@@ -1,8 +1,7 @@
 """Makes the first step of every layout slow on a worker started with
 PARCAE_TEST_FIRST_STEP_SECONDS set: that many seconds pass before it trains it, as when
 one GPU compiles kernels for longer than the others wait. Its peers wait in the step's
-collectives. tests/test_timeouts.py puts this folder on PYTHONPATH for that worker alone
-(Python imports `sitecustomize` at start)."""
+collectives."""
 
 import os
 import time

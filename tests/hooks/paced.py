@@ -10,9 +10,8 @@ With PARCAE_TEST_PACE_WHILE set to a path, steps are paced only while that file 
 the test removes it once what it waits for has happened (a requeued element rejoined),
 and the job then trains at full speed.
 
-tests/test_slurm_elastic.py puts this folder on PYTHONPATH for its SLURM job (Python
-imports `sitecustomize` at start): SLURM's fixed delays (a 30 s grace timer, an 11 s
-requeue hold) then fit in the same few hundred iterations however fast the machine is.
+In tests/test_slurm_elastic.py SLURM's fixed delays (a 30 s grace timer, an 11 s requeue
+hold) then fit in the same few hundred iterations however fast the machine is.
 """
 
 import os

@@ -5,8 +5,7 @@ PARCAE_TEST_DAMAGE="KIND:WHAT[,KIND:WHAT...]": KIND is `migration` or `snapshot`
 (reconfig/transfer.py's messages, on WORLD: a snapshot copy's tag is reconfig.copies._TAG's), WHAT is
 `flip` (one byte changed) or `truncate` (the second half of the chunk never arrived:
 zeros). Each is done once in the job: the first process to claim
-PARCAE_TEST_DAMAGE_DIR/KIND-WHAT does it. tests/test_nccl_rules.py puts this folder on
-PYTHONPATH (Python imports `sitecustomize` at start)."""
+PARCAE_TEST_DAMAGE_DIR/KIND-WHAT does it."""
 
 import os
 

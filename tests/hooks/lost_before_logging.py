@@ -2,9 +2,7 @@
 layout's rank 0), after the step was applied everywhere and before its line is written:
 the first of the recovering layout's ranks that trained it must log it. Only the first
 process to get there dies (it creates the file PARCAE_TEST_LOST_MARK): one that trains
-the step again after a rollback logs it.
-tests/test_recovery.py puts this folder on PYTHONPATH (Python imports `sitecustomize` at
-start)."""
+the step again after a rollback logs it."""
 
 import os
 import signal

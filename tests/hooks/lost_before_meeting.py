@@ -1,8 +1,6 @@
 """Kills a worker started with PARCAE_TEST_LOST_BEFORE_MEETING=1 as it reaches its first
 meeting point (reconfig.world.World.sync), before it says it came: its peers wait there
-for a worker that never arrives, and must see that it is no longer a member.
-tests/test_copies_live.py puts this folder on PYTHONPATH for that worker alone (Python
-imports `sitecustomize` at start)."""
+for a worker that never arrives, and must see that it is no longer a member."""
 
 import os
 import signal
