@@ -183,10 +183,15 @@ def test_snapshots_of_two_and_three_instances_and_damaged_copies(live_job, unint
     then a third joins and the three keep them in a ring. The first copy exchanged
     arrives with a flipped byte, one after the join cut short: neither is committed,
     each exchange is taken again, and every step trains as in an uninterrupted run. The
-    probe (live_job) checks NCCL's rules throughout."""
+    probe (live_job) checks NCCL's rules throughout. Steps are paced (tests/hooks/paced.py)
+    until the layout of three is applied, so that training cannot end before it however
+    slowly the second coordinator starts."""
     store, coordinator, worker, tmp_path = live_job
     _no_replicas(tmp_path, 4.4e7, 2)
     _damaging(monkeypatch, tmp_path, "snapshot:flip")
+    pace = tmp_path / "pace-while"
+    pace.touch()
+    with_hooks(monkeypatch, "paced", PARCAE_TEST_STEP_SECONDS="4", PARCAE_TEST_PACE_WHILE=str(pace))
     processes = {w: worker(w, "--parcae-copy-interval", "2") for w in (0, 1)}
     monkeypatch.setenv("PARCAE_TEST_DAMAGE", "snapshot:truncate")
     processes[2] = worker(2, "--parcae-copy-interval", "2")  # on standby until the second coordinator
@@ -203,6 +208,7 @@ def test_snapshots_of_two_and_three_instances_and_damaged_copies(live_job, unint
                      and store.latest_plan(), 240, "the layout of three")
     wait_for(lambda: any(isinstance(e, CopiesKept) and e.generation == grown.generation and e.has_ward
                          for e in worker_events(tmp_path)), 240, "a snapshot with copies on three instances")
+    pace.unlink()
     for w, p in processes.items():
         assert p.wait(timeout=400) == 0, (tmp_path / f"worker-{w}.log").read_text()[-3000:]
     kept = [e for e in worker_events(tmp_path) if isinstance(e, CopiesKept)]
