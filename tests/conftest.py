@@ -23,9 +23,11 @@ PROCESS_FIXTURES = frozenset({"etcd_server", "client", "own_etcd", "auth_server"
 # Modules of the longest tests, longest first: they run first, so that the test processes
 # (pytest.ini's -n; --maxschedchunk 1 hands each process a test or two at a time) finish
 # together.
-LONGEST_FIRST = ("test_slurm_elastic.py", "test_replay.py", "test_copies_live.py", "test_half_precision.py",
-                 "test_recovery.py", "test_model_flags.py", "test_reconfig_live.py", "test_save_and_exit.py",
-                 "test_checkpoint_interop.py", "test_exit_signal_handler.py", "test_training.py")
+LONGEST_FIRST = ("test_slurm_elastic.py", "test_nccl_rules.py", "test_half_precision.py", "test_checkpoint_interop.py",
+                 "test_copies_live.py", "test_recovery.py", "test_timeouts.py", "test_exit_signal_handler.py",
+                 "test_reconfig_live.py", "test_live.py", "test_release.py", "test_checkpointing.py",
+                 "test_etcd_outage.py", "test_progress.py", "test_replay.py", "test_model_flags.py",
+                 "test_save_and_exit.py", "test_training.py")
 
 
 def _interrupted(signum, frame):

@@ -87,6 +87,7 @@ def test_blend_resumes_exactly_in_another_layout(blend_flags, blend_run):
     assert_close(losses(resumed), {it: loss for it, loss in full.items() if it > 3})
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 def test_blend_trains_on_through_an_in_place_change(blend_flags, blend_run):
     _, full = blend_run

@@ -81,12 +81,14 @@ def test_pipeline_deepens_and_back_then_intra_stage_leave_moves_nothing(referenc
     assert_same_state(tmp_path / "ckpt", reference_save, SMALL_GPT + ["--train-iters", str(ITERS)])
 
 
+@pytest.mark.extended
 @pytest.mark.slow
-@pytest.mark.parametrize("distributed_optimizer", [pytest.param(False, marks=pytest.mark.extended), True],
-                         ids=["adam", "distributed-adam"])
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["adam", "distributed-adam"])
 def test_grace_period_hand_over_then_growth(reference, distributed_optimizer):
     """Stage 1 loses both replicas with notice (they send before exiting), two workers join,
-    then T changes: six processes, two of them idle until they join."""
+    then T changes: six processes, two of them idle until they join. The default run trains
+    this schedule with the distributed optimizer under the NCCL-rules probe
+    (tests/test_nccl_rules.py)."""
     found, changes, _ = _scheduled(6, 2, "3:1,2,1:leave=2,3;6:1,2,2:join=2;9:2,2,1", distributed_optimizer)
     assert [(i, kind, layout) for i, kind, layout, *_ in changes] == [
         (3, "inter-stage", (1, 2, 1)), (6, "inter-stage", (1, 2, 2)), (9, "tensor", (2, 2, 1))]

@@ -28,10 +28,11 @@ def reference(tiny_data, tmp_path_factory) -> dict[int, float]:
 
 
 # Each optimizer with TP, PP and DP, in four layouts (T1P2 alone is what the resume tests
-# train; the executor's tests cover both optimizers across layout changes).
+# train; the executor's tests cover both optimizers across layout changes, and
+# test_nccl_rules.py's four-process run trains T1P2D2 with Adam before its first change).
 @pytest.mark.parametrize("layout,distributed_optimizer", [
     pytest.param((2, 1, 1), False, marks=pytest.mark.extended), pytest.param((1, 1, 2), True, marks=pytest.mark.extended),
-    ((2, 2, 1), True), ((1, 2, 2), False),
+    ((2, 2, 1), True), pytest.param((1, 2, 2), False, marks=pytest.mark.extended),
 ], ids=lambda v: "T%dP%dD%d" % v if isinstance(v, tuple) else ("distributed-adam" if v else "adam"))
 @pytest.mark.slow
 def test_layouts_train_the_same_model(reference, layout, distributed_optimizer):
@@ -56,7 +57,10 @@ def saved_run(tiny_data, tmp_path_factory) -> tuple[Path, dict[int, float]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("resume_layout", [pytest.param((1, 2, 1), marks=pytest.mark.extended), (2, 1, 2)],
+# The default run resumes in another layout in tests/test_half_precision.py (T1P2 -> T2P1D2,
+# fp16 and the distributed optimizer) and in the same one in tests/test_exit_signal_handler.py.
+@pytest.mark.extended
+@pytest.mark.parametrize("resume_layout", [(1, 2, 1), (2, 1, 2)],
                          ids=["same-layout", "other-layout"])
 def test_resume_continues_exactly(saved_run, resume_layout):
     save, full = saved_run
