@@ -135,6 +135,16 @@ def with_hooks(monkeypatch, *names: str, **env: str) -> None:
         monkeypatch.setenv(name, value)
 
 
+def paced_while(monkeypatch, folder: Path, step_seconds: float) -> Path:
+    """Processes started from now on pace their steps (tests/hooks/paced.py: `step_seconds`
+    a step on one process) while the file returned exists; the test removes it once what
+    it waits for has happened."""
+    pace = folder / "pace-while"
+    pace.touch()
+    with_hooks(monkeypatch, "paced", PARCAE_TEST_STEP_SECONDS=str(step_seconds), PARCAE_TEST_PACE_WHILE=str(pace))
+    return pace
+
+
 def start_logged(cmd: list[str], log: Path) -> subprocess.Popen:
     """A process of the repository, its output in `log`, in a process group of its own
     that `kill_group` ends with every process it forked."""

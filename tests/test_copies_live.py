@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from helpers import ITERS, REPO, assert_close, wait_for, with_hooks, worker_events
+from helpers import ITERS, REPO, assert_close, paced_while, wait_for, with_hooks, worker_events
 from megatron_parcae.events import CopiesKept, Iteration, LayoutChange, PlanPublished, Save, logged_steps, read_events
 
 pytestmark = pytest.mark.slow
@@ -114,8 +114,11 @@ def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(liv
     the failed change, so the change is retried from it without the joiner, losing no step.
     With the distributed optimizer no plan from the grown layout can do without the
     joiner's shard: the coordinator holds back a restart for the old worker's report, and
-    the old worker, waiting for the joiner, must see that it is no longer a member."""
+    the old worker, waiting for the joiner, must see that it is no longer a member. Steps
+    are paced (tests/hooks/paced.py) until the growth is published, so that worker 0 cannot
+    end training alone however slowly the second coordinator starts."""
     store, coordinator, worker, tmp_path = live_job
+    pace = paced_while(monkeypatch, tmp_path, 1)
     profile = json.loads((REPO / "configs/profiles/gpt-tiny-cpu.json").read_text())
     (tmp_path / "profile.json").write_text(json.dumps({**profile, "max_tensor_parallel": 1}))  # replicas only
     config = tmp_path / "coordinator.yaml"
@@ -135,6 +138,7 @@ def test_a_joiner_lost_mid_change_has_the_change_retried_from_the_state_kept(liv
     config.write_text(config.read_text().replace("max-workers: 1", "max-workers: 2"))
     coordinator("b")  # grows the layout onto worker 1
     grown = wait_for(lambda: store.current_generation() > 1 and store.latest_plan(), 60, "the growth")
+    pace.unlink()
     assert 1 in grown.layout["slots"]
     assert processes[1].wait(timeout=60) == -signal.SIGKILL, (tmp_path / "worker-1.log").read_text()[-3000:]
     changes, _ = _check(live_job, processes, [0], uninterrupted)

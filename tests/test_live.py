@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 from collective_probe import read_findings
-from helpers import ITERS, assert_close, trained_losses, wait_for, with_hooks, worker_events
+from helpers import ITERS, assert_close, paced_while, trained_losses, wait_for, worker_events
 import pytest
 
 from megatron_parcae.events import LayoutChange, MigrationCostLearned, NetworkMeasured, logged_steps, read_events
@@ -16,15 +16,8 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     so that training cannot end before it however slowly that coordinator starts."""
     store, coordinator, worker, logs = live_job
     first = coordinator("a")
-    pace = logs / "pace-while"
-    pace.touch()
-
-    def paced_worker(w: int):
-        with monkeypatch.context() as m:
-            with_hooks(m, "paced", PARCAE_TEST_STEP_SECONDS="0.6", PARCAE_TEST_PACE_WHILE=str(pace))
-            return worker(w)
-
-    workers = {w: paced_worker(w) for w in (0, 1)}
+    pace = paced_while(monkeypatch, logs, 0.6)
+    workers = {w: worker(w) for w in (0, 1)}
 
     def iteration() -> int:
         return max((r.iteration for r in store.step_reports().values()), default=0)
@@ -34,7 +27,7 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     first.wait()
     generation_at_kill = store.current_generation()
     workers[1].send_signal(signal.SIGTERM)  # a notice, and an arrival, while no coordinator runs
-    workers[2] = paced_worker(2)
+    workers[2] = worker(2)
     at_kill = iteration()
     wait_for(lambda: iteration() >= at_kill + 3, 60, "training to go on without a coordinator")
     assert store.current_generation() == generation_at_kill

@@ -21,7 +21,7 @@ import pytest
 
 from collective_probe import _replay, read_findings
 from helpers import (ITERS, REPO, SMALL_GPT, Run, assert_close, assert_same_state, child_env, computed_folder,
-                     layout_flags, losses, shared_losses, torchrun, wait_for, with_hooks, worker_events)
+                     layout_flags, losses, paced_while, shared_losses, torchrun, wait_for, with_hooks, worker_events)
 from megatron_parcae import events
 from megatron_parcae.events import CopiesKept, LayoutChange, logged_steps, read_events
 
@@ -189,9 +189,7 @@ def test_snapshots_of_two_and_three_instances_and_damaged_copies(live_job, unint
     store, coordinator, worker, tmp_path = live_job
     _no_replicas(tmp_path, 4.4e7, 2)
     _damaging(monkeypatch, tmp_path, "snapshot:flip")
-    pace = tmp_path / "pace-while"
-    pace.touch()
-    with_hooks(monkeypatch, "paced", PARCAE_TEST_STEP_SECONDS="4", PARCAE_TEST_PACE_WHILE=str(pace))
+    pace = paced_while(monkeypatch, tmp_path, 4)
     processes = {w: worker(w, "--parcae-copy-interval", "2") for w in (0, 1)}
     monkeypatch.setenv("PARCAE_TEST_DAMAGE", "snapshot:truncate")
     processes[2] = worker(2, "--parcae-copy-interval", "2")  # on standby until the second coordinator

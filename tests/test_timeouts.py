@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from helpers import ITERS, wait_for, with_hooks
+from helpers import ITERS, paced_while, wait_for, with_hooks
 from megatron_parcae.events import Iteration, PlanPublished, read_events
 from reconfig import compat
 from reconfig.timeouts import EXCHANGE_FLOOR, exchange_timeout
@@ -159,12 +159,15 @@ def test_a_first_step_three_lease_periods_long_on_one_rank_breaks_nothing(live_j
 def test_a_worker_killed_mid_exchange_is_dropped_within_two_lease_periods(live_job, monkeypatch):
     """Worker 0 trains alone, then a change grows the layout onto worker 1, which is
     SIGKILLed (tests/hooks/killed_mid_exchange.py) as it comes to the exchange that brings it the
-    state. A lease of 10 s keeps scheduling noise on a loaded machine small beside it."""
+    state. A lease of 10 s keeps scheduling noise on a loaded machine small beside it.
+    Steps are paced (tests/hooks/paced.py) until the growth is published, so that worker 0
+    cannot end training alone however slowly the second coordinator starts."""
     store, coordinator, worker, logs = live_job
     lease = 10.0
     flags = ("--parcae-lease-seconds", str(lease))
     _live_job(live_job, 1)
     config = logs / "coordinator.yaml"
+    pace = paced_while(monkeypatch, logs, 1)
     processes = {0: worker(0, *flags)}
     killed_at = logs / "killed-at.json"
     with monkeypatch.context() as m:
@@ -178,6 +181,7 @@ def test_a_worker_killed_mid_exchange_is_dropped_within_two_lease_periods(live_j
     config.write_text(config.read_text().replace("max-workers: 1", "max-workers: 2"))
     coordinator("b")  # grows the layout onto worker 1
     grown = wait_for(lambda: store.current_generation() > 1 and store.latest_plan(), 60, "the growth")
+    pace.unlink()
     assert sorted(grown.layout["slots"]) == [0, 1], grown
     assert processes[1].wait(timeout=60) == -signal.SIGKILL, (logs / "worker-1.log").read_text()[-3000:]
     killed = json.loads(killed_at.read_text())["killed_at"]
