@@ -141,8 +141,7 @@ def test_every_kind_of_change_keeps_to_nccls_rules(reference_run, tmp_path):
 
 def _damaging(monkeypatch, tmp_path: Path, damage: str) -> None:
     (tmp_path / "damage").mkdir()
-    with_hooks(monkeypatch, "damaged", PARCAE_TEST_DAMAGE=damage,
-                       PARCAE_TEST_DAMAGE_DIR=str(tmp_path / "damage"))
+    with_hooks(monkeypatch, "damaged", PARCAE_TEST_DAMAGE=damage, PARCAE_TEST_DAMAGE_DIR=str(tmp_path / "damage"))
 
 
 @pytest.mark.slow
