@@ -211,7 +211,8 @@ def _gather_distributed(opt: DistributedOptimizer, shards: list[ParamShard],
                 rng = compat.param_range(opt, shard.param)
                 local = compat.main_param_and_optimizer_states(opt, shard.param)
                 for k, key in enumerate(STATE_KEYS):
-                    rows[k, offset + rng.start: offset + rng.end] = local[key].detach().float().view(-1)
+                    if key in local:  # Adam makes its moments at its first update: fp16 may skip many
+                        rows[k, offset + rng.start: offset + rng.end] = local[key].detach().float().view(-1)
             offset += sizes[i]
         dist.all_reduce(flat, group=ps.get_data_parallel_group())
         offset = 0

@@ -98,3 +98,23 @@ def test_in_place_change_equals_checkpoint_restart(tiny_data, tmp_path, precisio
         expected |= {("reconfig/optimizer_state.py:_gather_distributed:all_reduce", "data"),
                      ("reconfig/execute.py:_fill:all_reduce", "data")}
     assert expected <= sites, expected - sites
+
+
+@pytest.mark.slow
+def test_a_change_before_the_first_applied_update(tiny_data):
+    """fp16 skips every step until its scale settles, and Adam makes its moments only at
+    its first applied update: a change before then exports the distributed optimizer's
+    state with no moments yet, and trains on as the run without it."""
+    iters, change = 12, 3
+    flags = SMALL_GPT + ["--fp16", "--initial-loss-scale", str(2.0**28), "--hysteresis", "1",
+                         "--use-distributed-optimizer", "--train-iters", str(iters)]
+    plain = _iterations(torchrun("pretrain_gpt.py", 2, flags))
+    changed = _iterations(torchrun("pretrain_gpt.py", 2, flags + [
+        "--parcae", "--parcae-layout-schedule", f"{change}:1,1,2"]))
+    assert all(plain[it].skipped_iterations == 1 for it in range(1, change + 1))
+    assert sum(plain[it].skipped_iterations == 0 for it in range(change + 1, iters + 1)) >= 2
+    assert sorted(changed) == sorted(plain) == list(range(1, iters + 1))
+    for it, b in plain.items():
+        a = changed[it]
+        assert abs(a.losses["lm loss"] - b.losses["lm loss"]) <= 1e-6 * abs(b.losses["lm loss"]), (it, a, b)
+        assert (a.loss_scale, a.skipped_iterations) == (b.loss_scale, b.skipped_iterations), (it, a, b)
