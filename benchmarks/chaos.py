@@ -8,7 +8,9 @@ every --save-interval iterations. While it trains:
 - workers of the layout are SIGKILLed without notice at random moments, some right after
   a plan is published (while it is being applied) and some right after a checkpoint
   iteration is logged (while it is being saved); a new worker replaces each a few seconds
-  later (a new instance);
+  later (a new instance). With --first-kill-at N the first kill comes as soon as iteration
+  N is logged, whatever the clock: a run whose steps are much faster or slower than CPU
+  ones still loses a worker with a snapshot behind it;
 - the coordinator is SIGKILLed once and started again, and etcd is restarted once, each
   at a random moment, at the latest a quarter (the coordinator) or half (etcd) of the way
   through training: a run that trains fast still sees both.
@@ -115,9 +117,9 @@ class Chaos:
     """The disruptions of one run, driven from the benchmark's loop (see the module docstring)."""
 
     def __init__(self, job: ParcaeJob, store: JobStore, rng: random.Random, report: RunReport,
-                 iterations: int, save_interval: int, max_kills: int) -> None:
+                 iterations: int, save_interval: int, max_kills: int, first_kill_at: int | None = None) -> None:
         self.job, self.store, self.rng, self.report = job, store, rng, report
-        self.save_interval, self.max_kills = save_interval, max_kills
+        self.save_interval, self.max_kills, self.first_kill_at = save_interval, max_kills, first_kill_at
         self.started = time.monotonic()
         self.next_kill = rng.uniform(8, 16)
         self.kill_trigger: str | None = None
@@ -148,7 +150,10 @@ class Chaos:
             self.job.restart_etcd()
             self.etcd_restart_at = None
             self.report.etcd_restarts += 1
-        if self.report.kills < self.max_kills and now >= self.next_kill:
+        if self.first_kill_at is not None and self.report.kills == 0 < self.max_kills:
+            if iteration >= self.first_kill_at and self._kill_a_layout_worker():
+                self._killed(now)
+        elif self.report.kills < self.max_kills and now >= self.next_kill:
             self._kill_when_due(now)
 
     def _kill_when_due(self, now: float) -> None:
@@ -164,9 +169,12 @@ class Chaos:
             iteration = self.job.log.iteration
             due = due or (iteration > self.trigger_mark and iteration % self.save_interval == 0)
         if due and self._kill_a_layout_worker():
-            self.kill_trigger = None
-            self.next_kill = now + self.rng.uniform(8, 20)
-            self.replace_at = now + REPLACE_AFTER_S
+            self._killed(now)
+
+    def _killed(self, now: float) -> None:
+        self.kill_trigger = None
+        self.next_kill = now + self.rng.uniform(8, 20)
+        self.replace_at = now + REPLACE_AFTER_S
 
     def _generation(self) -> int:
         try:
@@ -210,7 +218,8 @@ def recoveries(workdir: Path, log: JobLog) -> dict[str, int]:
 
 
 def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], iterations: int,
-              global_batch: int, save_interval: int, max_kills: int, reference: dict[str, dict]) -> RunReport:
+              global_batch: int, save_interval: int, max_kills: int, reference: dict[str, dict],
+              first_kill_at: int | None = None) -> RunReport:
     report = RunReport(index, rng.randint(4, 6), "--use-distributed-optimizer" in flags)
     fresh_workdir(workdir)
     save = workdir / "checkpoints"
@@ -219,7 +228,8 @@ def chaos_run(index: int, rng: random.Random, workdir: Path, flags: list[str], i
     started = time.monotonic()
     try:
         with EtcdClient(job.endpoint, timeout=5) as client:
-            chaos = Chaos(job, JobStore(client, job.job), rng, report, iterations, save_interval, max_kills)
+            chaos = Chaos(job, JobStore(client, job.job), rng, report, iterations, save_interval, max_kills,
+                          first_kill_at)
             job.resize(report.workers)
             while not job.check():
                 if time.monotonic() - started > RUN_LIMIT_S:
@@ -274,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(--use-distributed-optimizer), or the two in turn (default)")
     parser.add_argument("--copy-interval", type=int, default=10,
                         help="the workers' --parcae-copy-interval (0: no snapshots)")
+    parser.add_argument("--first-kill-at", type=int, metavar="ITERATION",
+                        help="the first kill as soon as this iteration is logged (default: at a random moment)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("chaos"))
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -282,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.iterations < 1 or args.save_interval < 1 or args.kills < 0 or args.copy_interval < 0:
         parser.error("--runs, --iterations and --save-interval must be positive, --kills and --copy-interval at "
                      "least 0")
+    if args.first_kill_at is not None and not 0 < args.first_kill_at < args.iterations:
+        parser.error(f"--first-kill-at must be an iteration from 1 to {args.iterations - 1}")
     flags = ["--config", "configs/gpt-tiny.yaml", "--train-iters", str(args.iterations), "--lr", "3e-4",
              "--min-lr", "3e-5", "--log-interval", "1"]
     global_batch = 32  # configs/gpt-tiny.yaml
@@ -301,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             run_flags = [*flags, "--parcae-copy-interval", str(args.copy_interval),
                          *(["--use-distributed-optimizer"] if distributed else [])]
             report = chaos_run(index, rng, args.workdir / f"run-{index:02d}", run_flags, args.iterations, global_batch,
-                               args.save_interval, args.kills, reference)
+                               args.save_interval, args.kills, reference, args.first_kill_at)
             reports.append(report)
             progress.print(f"run {index:2d}: {'ok  ' if report.passed else 'FAIL'} {report.workers} workers"
                            f"{', distributed optimizer' if distributed else ''}, {report.kills} kills "

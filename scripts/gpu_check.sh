@@ -149,7 +149,7 @@ step c_one_gpu 180 env PARCAE_ONE_GPU=1 "${TORCHRUN[@]}" --nproc_per_node=2 scri
   --parcae-events "$LOGS/c_one_gpu.events.jsonl"
 step c_report_losses 60 "$PY" -m benchmarks.gpu_check_report losses "$LOGS/c_reference.events.jsonl" \
   "$LOGS/c_one_gpu.events.jsonl"
-step c_chaos 300 env PARCAE_ONE_GPU=1 "$PY" -m benchmarks.chaos --runs 1 --kills 1 --iterations 20 \
+step c_chaos 300 env PARCAE_ONE_GPU=1 "$PY" -m benchmarks.chaos --runs 1 --kills 1 --iterations 20 --first-kill-at 8 \
   --save-interval 10 --copy-interval 5 --optimizer distributed --workdir "$LOGS/c_chaos" --json "$LOGS/c_chaos.json"
 step c_report_rollback 60 "$PY" -m benchmarks.gpu_check_report rollback "$LOGS/c_chaos.json"
 

@@ -39,7 +39,7 @@ def test_the_check_dry_run_prints_every_command_and_writes_nothing(tmp_path):
         ("--fp16", "--use-distributed-optimizer", r"5:1\,1\,1"),  # (b)
         ("gpu_check_report losses", "--loss-scale"),
         ("PARCAE_ONE_GPU=1", "--nproc_per_node=2", "join=1", "leave=1"),  # (c) a data-parallel change
-        ("PARCAE_ONE_GPU=1", "benchmarks.chaos", "--optimizer distributed"),  # (c) a rollback
+        ("PARCAE_ONE_GPU=1", "benchmarks.chaos", "--optimizer distributed", "--first-kill-at"),  # (c) a rollback
         ("gpu_check_report rollback",),
         ("benchmarks.snapshot_cost", "--copy-interval 10", "--num-layers 16"),  # (d)
         ("benchmarks.gpu_speed", "--json", "--num-layers 16"),  # (e)
