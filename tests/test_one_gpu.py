@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from helpers import SMALL_GPT, losses, torchrun, with_hooks
+
 from megatron_parcae.training import device
 from reconfig import planes
 from reconfig.one_gpu import ENV, one_gpu
@@ -44,12 +46,15 @@ def test_without_sharing_a_gpu_keeps_nccl_and_its_device(a_gpu, monkeypatch, val
 
 
 def test_processes_sharing_take_the_gpus_there_are(a_gpu, monkeypatch):
+    routed = []
+    monkeypatch.setattr(device, "route_collectives_through_host", lambda: routed.append(True))
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv(ENV, "1")
     device.prepare_device()
     monkeypatch.setenv(ENV, "0")
     device.prepare_device()
     assert a_gpu == [0, 3]  # shared: GPU 3 mod 1; not shared: LOCAL_RANK's own
+    assert routed == [True]  # gloo's collectives of device tensors through the host, when shared
 
 
 def test_on_cpu_the_mode_changes_nothing(monkeypatch):
@@ -63,3 +68,19 @@ def test_a_value_other_than_0_or_1_is_refused(monkeypatch):
     monkeypatch.setenv(ENV, "yes")
     with pytest.raises(ValueError, match="PARCAE_ONE_GPU must be 1"):
         one_gpu()
+
+
+@pytest.mark.slow
+def test_collectives_through_the_host_train_as_direct_ones(tiny_data, tmp_path, monkeypatch):
+    """megatron-core's collectives on host copies, one at a time (what the mode does with
+    CUDA tensors, here with CPU ones: tests/hooks/through_host.py), through the
+    distributed optimizer's reduce-scatter and gather and a change: the losses of direct
+    collectives."""
+    flags = SMALL_GPT + ["--use-distributed-optimizer", "--train-iters", "6", "--parcae",
+                         "--parcae-layout-schedule", "3:1,1,2"]
+    direct = losses(torchrun("pretrain_gpt.py", 2, flags))
+    with_hooks(monkeypatch, "through_host", PARCAE_TEST_ROUTED=str(tmp_path))
+    routed = losses(torchrun("pretrain_gpt.py", 2, flags))
+    assert routed == direct
+    counts = {p.name: int(p.read_text()) for p in tmp_path.glob("rank-*")}
+    assert sorted(counts) == ["rank-0", "rank-1"] and min(counts.values()) > 0, counts

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_parcae.training.cpu import enable_cpu_support
-from reconfig.one_gpu import one_gpu
+from reconfig.one_gpu import one_gpu, route_collectives_through_host
 from reconfig.world import process_group_backend
 
 # Healthy collectives that can outlast the short timeout of a live job's collectives:
@@ -21,7 +21,8 @@ SETUP_TIMEOUT = timedelta(minutes=10)
 
 def prepare_device() -> None:
     """The GPU of LOCAL_RANK (modulo the GPUs there are where processes share them,
-    reconfig/one_gpu.py), or megatron-core's CPU support when there is none.
+    reconfig/one_gpu.py, whose collectives then go through the host), or megatron-core's
+    CPU support when there is none.
 
     On GPUs a failed or timed-out NCCL collective aborts its communicators and raises in
     the training thread (TORCH_NCCL_ASYNC_ERROR_HANDLING=2) instead of ending the process
@@ -35,6 +36,8 @@ def prepare_device() -> None:
         os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(int(SETUP_TIMEOUT.total_seconds())))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank % torch.cuda.device_count() if one_gpu() else local_rank)
+        if one_gpu():
+            route_collectives_through_host()
     else:
         enable_cpu_support()
 
