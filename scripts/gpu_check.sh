@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared check for a machine with one GPU, no network and its own torch (issue 35).
 #
-#   bash scripts/gpu_check.sh [--dry-run] [--tiny] [--wheels DIR] [--results DIR]
+#   bash scripts/gpu_check.sh [--dry-run] [--tiny] [--only LETTERS] [--wheels DIR] [--results DIR]
 #
 # From the repository root's copy. The wheels megatron-parcae needs beside that torch, and
 # an etcd binary, come from DIR (default gpu-wheels/, or $PARCAE_GPU_WHEELS), which
@@ -21,12 +21,14 @@
 # its exit code and seconds, and what it concluded; the full logs, events and JSON in
 # RESULTS/gpu_check_<gpu>/. A step that fails is recorded and the next runs; the exit code
 # is 1 when any failed. --dry-run prints every command and runs none; --tiny runs the same
-# checks on GPT-tiny (a quick trial, also on CPU).
+# checks on GPT-tiny (a quick trial, also on CPU); --only runs the checks named (--only c:
+# (c) alone, its results in RESULTS/gpu_check_<gpu>-c.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DRY_RUN=0
 TINY=0
+ONLY=abcde
 WHEELS=${PARCAE_GPU_WHEELS:-gpu-wheels}
 RESULTS=benchmarks/results
 PY=${PYTHON:-python3}
@@ -34,13 +36,19 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --tiny) TINY=1 ;;
+    --only) ONLY=${2:?--only needs letters from abcde}; shift ;;
     --wheels) WHEELS=${2:?--wheels needs a folder}; shift ;;
     --results) RESULTS=${2:?--results needs a folder}; shift ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: error: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
+if [[ ! "$ONLY" =~ ^[a-e]+$ ]]; then
+  echo "gpu_check.sh: error: --only takes letters from abcde, not $ONLY" >&2
+  exit 2
+fi
+wanted() { [[ "$ONLY" == *"$1"* ]]; }
 
 gpu_name() {
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -59,6 +67,7 @@ slug() {
 
 NAME=$(slug "$(gpu_name)")
 [ "$TINY" = 1 ] && NAME="$NAME-tiny"
+[ "$ONLY" = abcde ] || NAME="$NAME-$ONLY"
 SUMMARY="$RESULTS/gpu_check_$NAME.txt"
 LOGS="$RESULTS/gpu_check_$NAME"
 SITE=${TMPDIR:-/tmp}/parcae-gpu-site
@@ -98,7 +107,7 @@ if [ "$DRY_RUN" = 0 ]; then
 fi
 
 say "# gpu_check.sh (issue 35) on $(gpu_name || true), $(date -u +%Y-%m-%dT%H:%MZ)"
-say "# commit: $(git rev-parse --short HEAD 2>/dev/null || echo "${PARCAE_COMMIT:-unknown}"); $("$PY" -c 'import platform, torch; print("python", platform.python_version(), "torch", torch.__version__)' 2>/dev/null || echo "torch missing")"
+say "# commit: ${PARCAE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; $("$PY" -c 'import platform, torch; print("python", platform.python_version(), "torch", torch.__version__)' 2>/dev/null || echo "torch missing")"
 
 say "## set-up: the wheels beside this torch, offline; the tiny datasets"
 if [ "$DRY_RUN" = 1 ] || ! "$PY" -c "import megatron.core, tenacity, google.protobuf, grpc" 2>/dev/null; then
@@ -121,6 +130,7 @@ else
 fi
 TINY_FLAGS=(--config configs/gpt-tiny.yaml --log-interval 1 --train-iters 12)
 
+if wanted a; then
 say "## (a) same-layout rebuilds of ${BIG[*]}: device peaks, losses as without them"
 step a_reference 240 "${TORCHRUN[@]}" --nproc_per_node=1 scripts/pretrain_gpt.py "${BIG[@]}" --train-iters 9 \
   --parcae-events "$LOGS/a_reference.events.jsonl"
@@ -131,7 +141,9 @@ step a_report_losses 60 "$PY" -m benchmarks.gpu_check_report losses "$LOGS/a_ref
   "$LOGS/a_rebuilds.events.jsonl"
 step a_report_peaks 60 "$PY" -m benchmarks.gpu_check_report changes "$LOGS/a_rebuilds.events.jsonl" \
   --memory "$LOGS/a_memory.jsonl"
+fi
 
+if wanted b; then
 say "## (b) fp16 with the distributed optimizer through a change: losses and loss scales as uninterrupted"
 step b_reference 180 "${TORCHRUN[@]}" --nproc_per_node=1 scripts/pretrain_gpt.py "${HALF[@]}" \
   --use-distributed-optimizer --train-iters 10 --parcae-events "$LOGS/b_reference.events.jsonl"
@@ -140,7 +152,9 @@ step b_changed 180 "${TORCHRUN[@]}" --nproc_per_node=1 scripts/pretrain_gpt.py "
   --parcae-events "$LOGS/b_changed.events.jsonl"
 step b_report_losses 60 "$PY" -m benchmarks.gpu_check_report losses "$LOGS/b_reference.events.jsonl" \
   "$LOGS/b_changed.events.jsonl" --loss-scale
+fi
 
+if wanted c; then
 say "## (c) two processes on one GPU (PARCAE_ONE_GPU=1): a data-parallel change, then a snapshot rollback"
 step c_reference 120 "${TORCHRUN[@]}" --nproc_per_node=1 scripts/pretrain_gpt.py "${TINY_FLAGS[@]}" \
   --parcae-events "$LOGS/c_reference.events.jsonl"
@@ -152,12 +166,17 @@ step c_report_losses 60 "$PY" -m benchmarks.gpu_check_report losses "$LOGS/c_ref
 step c_chaos 300 env PARCAE_ONE_GPU=1 "$PY" -m benchmarks.chaos --runs 1 --kills 1 --iterations 20 --first-kill-at 8 \
   --save-interval 10 --copy-interval 5 --optimizer distributed --workdir "$LOGS/c_chaos" --json "$LOGS/c_chaos.json"
 step c_report_rollback 60 "$PY" -m benchmarks.gpu_check_report rollback "$LOGS/c_chaos.json"
+fi
 
+if wanted d; then
 say "## (d) a snapshot every K=10 steps: its cost per iteration"
 step d_snapshot 240 "$PY" -m benchmarks.snapshot_cost --copy-interval 10 --json "$LOGS/d_snapshot.json" -- "${BIG[@]}"
+fi
 
+if wanted e; then
 say "## (e) tokens/s and MFU beside plain PyTorch (scaled_dot_product_attention), top 10 kernels"
 step e_speed 300 "$PY" -m benchmarks.gpu_speed --steps 8 --warmup 3 --json "$LOGS/e_speed.json" -- "${BIG[@]}"
+fi
 
 say "# done in $(($(date +%s) - STARTED)) s; $([ "$FAILED" = 0 ] && echo "every step passed" || echo "a step FAILED")"
 exit "$FAILED"
