@@ -110,7 +110,7 @@ say "# gpu_check.sh (issue 35) on $(gpu_name || true), $(date -u +%Y-%m-%dT%H:%M
 say "# commit: ${PARCAE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; $("$PY" -c 'import platform, torch; print("python", platform.python_version(), "torch", torch.__version__)' 2>/dev/null || echo "torch missing")"
 
 say "## set-up: the wheels beside this torch, offline; the tiny datasets"
-if [ "$DRY_RUN" = 1 ] || ! "$PY" -c "import megatron.core, tenacity, google.protobuf, grpc" 2>/dev/null; then
+if [ "$DRY_RUN" = 1 ] || ! "$PY" -c "import megatron.core, tenacity, google.protobuf, grpc, prophet" 2>/dev/null; then
   step install 300 "$PY" -m pip install --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
 fi
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Fetch, on a machine with network, what scripts/gpu_check.sh installs offline on a GPU
 # machine that has its own torch: the wheels megatron-parcae needs beside that torch
-# (megatron-core, etcd3, tenacity, protobuf, grpcio) and an etcd server with etcdctl.
+# (megatron-core, etcd3, tenacity, protobuf, grpcio; Prophet, which the coordinator's
+# forecaster uses, with cmdstanpy, stanio and holidays) and an etcd server.
 #
 #   bash scripts/gpu_wheels.sh [--dry-run] [--python-version 3.12] [--etcd-version 3.5.17]
 #                              [--etcd-from DIR] [DIR]
 #
 # DIR (default gpu-wheels/) gets the wheels, built for the GPU machine's CPython
 # (--python-version, Linux x86-64) without their dependencies (torch, numpy and the rest
-# are the machine's own), etcd and etcdctl in DIR/etcd/ (the release --etcd-version from
-# GitHub, or the binaries in --etcd-from, e.g. Debian's /usr/bin), and SHA256SUMS of it all.
+# are the machine's own), etcd in DIR/etcd/ (the release --etcd-version from GitHub, or
+# the binary in --etcd-from, e.g. Debian's /usr/bin), and SHA256SUMS of it all: about
+# 45 MiB, under the 64 MiB a device call carries.
 # --dry-run prints every command and runs none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,18 +50,19 @@ TARGET=(--python-version "$PYTHON_VERSION" --implementation cp --platform manyli
 ETCD=etcd-v$ETCD_VERSION-linux-amd64
 
 run mkdir -p "$DIR/etcd"
-run "$PY" -m pip download --no-deps --dest "$DIR" "${TARGET[@]}" megatron-core==0.16.1 "protobuf>=4.22" grpcio
+run "$PY" -m pip download --no-deps --dest "$DIR" "${TARGET[@]}" megatron-core==0.16.1 "protobuf>=4.22" grpcio \
+  prophet==1.5.0 "cmdstanpy>=1.0.4" "stanio>=0.4,<2" "holidays>=0.25,<1"
 # Pure Python: a wheel is built where the index has only the source.
 run "$PY" -m pip wheel --no-deps --wheel-dir "$DIR" "etcd3>=0.12" "tenacity>=8.0"
 if [ -n "$ETCD_FROM" ]; then
-  run cp "$ETCD_FROM/etcd" "$ETCD_FROM/etcdctl" "$DIR/etcd/"
+  run cp "$ETCD_FROM/etcd" "$DIR/etcd/"
 else
   run curl -fsSL -o "$DIR/$ETCD.tar.gz" "https://github.com/etcd-io/etcd/releases/download/v$ETCD_VERSION/$ETCD.tar.gz"
-  run tar -xzf "$DIR/$ETCD.tar.gz" -C "$DIR/etcd" --strip-components=1 "$ETCD/etcd" "$ETCD/etcdctl"
+  run tar -xzf "$DIR/$ETCD.tar.gz" -C "$DIR/etcd" --strip-components=1 "$ETCD/etcd"
   run rm "$DIR/$ETCD.tar.gz"
 fi
-echo "\$ (cd $(printf '%q' "$DIR") && sha256sum ./*.whl etcd/etcd etcd/etcdctl > SHA256SUMS)"
+echo "\$ (cd $(printf '%q' "$DIR") && sha256sum ./*.whl etcd/etcd > SHA256SUMS)"
 if [ "$DRY_RUN" = 0 ]; then
-  (cd "$DIR" && sha256sum ./*.whl etcd/etcd etcd/etcdctl >SHA256SUMS)
+  (cd "$DIR" && sha256sum ./*.whl etcd/etcd >SHA256SUMS)
   echo "gpu_wheels.sh: $DIR holds $(find "$DIR" -maxdepth 1 -name '*.whl' | wc -l) wheels and etcd $("$DIR/etcd/etcd" --version | head -n 1)"
 fi

@@ -58,13 +58,14 @@ def test_the_fetch_dry_run_names_the_wheels_and_etcd(tmp_path):
     run = _bash("gpu_wheels.sh", "--dry-run", "--python-version", "3.12", str(tmp_path / "wheels"))
     assert run.returncode == 0, run.stderr
     commands = [line for line in run.stdout.splitlines() if line.startswith("$ ")]
-    for words in [("pip download", "megatron-core==0.16.1", "protobuf", "grpcio", "--python-version 3.12"),
+    for words in [("pip download", "megatron-core==0.16.1", "protobuf", "grpcio", "prophet", "cmdstanpy",
+                   "--python-version 3.12"),
                   ("pip wheel", "etcd3", "tenacity"), ("curl", "etcd-v3.5.17-linux-amd64.tar.gz"),
-                  ("tar", "etcdctl"), ("sha256sum",)]:
+                  ("tar", "/etcd"), ("sha256sum",)]:
         assert any(all(w in c for w in words) for c in commands), (words, commands)
     assert not (tmp_path / "wheels").exists()
     local = _bash("gpu_wheels.sh", "--dry-run", "--etcd-from", "/usr/bin", str(tmp_path / "wheels"))
-    assert any(c.startswith("$ cp /usr/bin/etcd /usr/bin/etcdctl") for c in local.stdout.splitlines())
+    assert any(c.startswith("$ cp /usr/bin/etcd ") for c in local.stdout.splitlines())
     assert _bash("gpu_wheels.sh", "--dry-run", "--etcd-version", "3.5.1").returncode == 2
 
 
