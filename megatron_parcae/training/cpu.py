@@ -144,20 +144,27 @@ def import_megatron_core() -> None:
     """Import megatron-core; on CPU without torch.compile-decorating its fused kernels.
 
     ``megatron.core.jit.disable_jit_fuser`` alone comes too late: the package's
-    ``__init__`` imports the kernels, decorated, before it can be called.
+    ``__init__`` imports the kernels, decorated, before it can be called. Its inference
+    contexts and timers import wandb where it is installed (half a second a process),
+    which training never uses through them: they see none, and the project's wandb
+    backend imports it when a run asks for it.
     """
-    if torch.cuda.is_available() or "megatron.core" in sys.modules:
-        import megatron.core  # noqa: F401
-
+    if "megatron.core" in sys.modules:
         return
-    compile_ = torch.compile
-    torch.compile = _pass_through
+    compile_, wandb = torch.compile, sys.modules.get("wandb")
+    if not torch.cuda.is_available():
+        torch.compile = _pass_through
+    if wandb is None:
+        sys.modules["wandb"] = None  # an import of it raises ImportError
     try:
         import megatron.core.jit
 
-        megatron.core.jit.disable_jit_fuser()
+        if not torch.cuda.is_available():
+            megatron.core.jit.disable_jit_fuser()
     finally:
         torch.compile = compile_
+        if wandb is None:
+            del sys.modules["wandb"]
 
 
 def _pass_through(model=None, **options):
