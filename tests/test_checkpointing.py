@@ -104,13 +104,19 @@ from megatron_parcae.training.models import padded_vocab_size
 from megatron_parcae.training.device import prepare_device
 from megatron_parcae.training.progress import Progress
 from megatron_parcae.training.runtime import LayoutRuntime
+from reconfig.world import set_timeouts
 
 root, store, rank, silent_at, flags = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 usual = timedelta(seconds=3)
 prepare_device()
-dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3, timeout=usual)
+# The ranks start and build their models seconds apart on a loaded machine: the usual
+# timeout begins once all have.
+dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3,
+                        timeout=timedelta(minutes=2))
 args = parse_args([*flags, "--global-batch-size", "6"], prog="test", model="gpt", world_size=3)
 runtime = LayoutRuntime(args, padded_vocab_size(build_tokenizer(args).vocab_size, args))
+dist.barrier()
+set_timeouts(usual)
 saves = checkpointing.Checkpointer(root, asynchronous=True, collective_timeout=usual)
 
 
