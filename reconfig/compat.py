@@ -126,12 +126,16 @@ INIT_OPTIMIZER_STATES = Reach("megatron-core", _DISTRIB_OPTIMIZER,
 PARAM_RANGE_MAP = Reach("megatron-core", _DISTRIB_OPTIMIZER, "DistributedOptimizer._get_model_param_range_map")
 MAIN_PARAM_AND_STATES = Reach("megatron-core", _DISTRIB_OPTIMIZER,
                               "DistributedOptimizer._get_main_param_and_optimizer_states")
+_BUCKETS = "megatron.core.distributed.param_and_grad_buffer"
+BUCKET_COALESCING = Reach("megatron-core", _BUCKETS, "_coalescing_manager")
+BUCKET_ALL_GATHER = Reach("megatron-core", _BUCKETS, "dist_all_gather_func")
+BUCKET_REDUCE_SCATTER = Reach("megatron-core", _BUCKETS, "dist_reduce_scatter_func")
 
 REACHES = (PROCESS_GROUP_MAP, GROUP_COUNT, DEFAULT_STORE, SET_GROUP_TIMEOUT, ABORT_GROUP, DROP_ABORTED_GROUP,
            MEGATRON_GROUP_LIST, *PARALLEL_STATE_GLOBALS,
            WRITE_RESULTS_QUEUE, RNG_TRACKER, RNG_TRACKER_INITIALIZED, CUDA_RNG_STATE_GET, CUDA_RNG_STATE_SET,
            INIT_OPTIMIZER_STATES, PARAM_RANGE_MAP,
-           MAIN_PARAM_AND_STATES)
+           MAIN_PARAM_AND_STATES, BUCKET_COALESCING, BUCKET_ALL_GATHER, BUCKET_REDUCE_SCATTER)
 
 
 # ---- torch.distributed -------------------------------------------------------------
@@ -247,6 +251,18 @@ def _no_cuda_rng_state(*args, **kwargs):
 
 def _restore_no_cuda_rng_state(*args, **kwargs) -> None:
     pass
+
+
+# ---- DDP's buckets ------------------------------------------------------------------
+
+
+def route_bucket_collectives(wrap, coalescing) -> None:
+    """Give megatron-core's gradient and parameter buckets `wrap(gather)` and
+    `wrap(reduce_scatter)`, bound at its import, and `coalescing` in place of torch's
+    coalescing manager."""
+    for reach in (BUCKET_ALL_GATHER, BUCKET_REDUCE_SCATTER):
+        reach.set(wrap(reach.get()))
+    BUCKET_COALESCING.set(coalescing)
 
 
 # ---- DistributedOptimizer ----------------------------------------------------------

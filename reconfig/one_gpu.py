@@ -21,6 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from reconfig import compat
+
 ENV = "PARCAE_ONE_GPU"
 
 
@@ -89,16 +91,14 @@ def _one_at_a_time(group=None, device=None, async_ops=False):
     yield _Done()
 
 
+def _routed(collective):
+    return collective if getattr(collective, "through_host", False) else _through_host(collective)
+
+
 def route_collectives_through_host() -> None:
     """Run megatron-core's collectives on device tensors on host copies, one at a time:
     gloo's are what this mode has. Idempotent; call before the model is built."""
-    from megatron.core.distributed import param_and_grad_buffer
-
     for name in _COLLECTIVES:
-        if hasattr(dist, name) and not getattr(getattr(dist, name), "through_host", False):
-            setattr(dist, name, _through_host(getattr(dist, name)))
-    for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
-        function = getattr(param_and_grad_buffer, name)
-        if not getattr(function, "through_host", False):
-            setattr(param_and_grad_buffer, name, _through_host(function))
-    param_and_grad_buffer._coalescing_manager = _one_at_a_time
+        if hasattr(dist, name):
+            setattr(dist, name, _routed(getattr(dist, name)))
+    compat.route_bucket_collectives(_routed, _one_at_a_time)

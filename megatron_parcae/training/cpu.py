@@ -151,15 +151,15 @@ def import_megatron_core() -> None:
     """
     if "megatron.core" in sys.modules:
         return
-    compile_, wandb = torch.compile, sys.modules.get("wandb")
-    if not torch.cuda.is_available():
+    compile_, wandb, on_cpu = torch.compile, sys.modules.get("wandb"), not torch.cuda.is_available()
+    if on_cpu:
         torch.compile = _pass_through
     if wandb is None:
         sys.modules["wandb"] = None  # an import of it raises ImportError
     try:
         import megatron.core.jit
 
-        if not torch.cuda.is_available():
+        if on_cpu:
             megatron.core.jit.disable_jit_fuser()
     finally:
         torch.compile = compile_
