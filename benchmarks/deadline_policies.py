@@ -7,7 +7,8 @@ deadline may wrap to the trace's start), under every policy of `parcae simulate
 --deadline-hours` (megatron_parcae/tools/deadline.py), and writes each run's dollars and
 deadline, the means per deadline, and the acceptance checks: the deadline policy meets
 every deadline Uniform Progress meets, costs less than it on average at each deadline,
-and is within 10% of the omniscient bound on average (mean dollars over mean bound).
+and is within 10% of the omniscient bound on average (mean dollars over mean bound, as
+the comparison with Uniform Progress; the mean of the per-start ratios is reported too).
 
     python -m benchmarks.deadline_policies [--out benchmarks/results/deadline_policies]
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         checks[f"D={hours:g}: deadline costs less than uniform-progress on average"] = \
             means["deadline"] < means["uniform-progress"]
         checks[f"D={hours:g}: deadline within {WITHIN:.0%} of omniscient on average"] = \
-            means["deadline"] <= (1 + WITHIN) * means["omniscient"] and float(np.mean(ratios)) <= 1 + WITHIN
+            means["deadline"] <= (1 + WITHIN) * means["omniscient"]
     command = "python -m benchmarks.deadline_policies " + " ".join(argv if argv is not None else sys.argv[1:])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()

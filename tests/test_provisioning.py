@@ -122,6 +122,15 @@ def test_omniscient_runs_few_instances_when_throughput_is_concave():
     assert out.spot_instance_hours == pytest.approx(2.0)
 
 
+def test_omniscient_pays_on_demand_start_ups_and_holds_through_a_short_gap():
+    slow_start = Market.constant(spot_price=1.0, on_demand_price=3.0, max_count=2, startup_hours=1.0)
+    out = omniscient(job(3, 3), window([0, 2, 0]), slow_start, LINEAR)
+    # two on-demand instances all 3 h (18) and started once (6) beat spot in hour 1 and a second start (26)
+    assert out.dollars == pytest.approx(24.0) and out.met_deadline
+    assert out.on_demand_instance_hours == pytest.approx(6.0) and out.spot_instance_hours == pytest.approx(0.0)
+    assert omniscient(job(3, 3), window([0, 2, 0]), MARKET, LINEAR).dollars == pytest.approx(14.0)
+
+
 # ---- the deadline policy -----------------------------------------------------------
 
 def state(**change) -> ProvisioningState:

@@ -20,6 +20,8 @@
 from __future__ import annotations
 
 import numpy as np
+from scipy.optimize import linprog
+from scipy.sparse import csr_matrix
 
 from megatron_parcae.provisioning.elastic import ElasticModel, run_elastic
 from megatron_parcae.provisioning.job import DeadlineJob, Outcome, SpotWindow
@@ -112,53 +114,75 @@ def frontier(dollars: np.ndarray, rates: np.ndarray) -> list[int]:
 def omniscient(job: DeadlineJob, window: SpotWindow, market: Market, model: ElasticModel) -> Outcome:
     """A lower bound on the dollars of any elastic run that finishes by the deadline.
 
-    Relax the job: in each interval before the deadline it may share the interval's time
-    among instance counts n = 0..N at will, trained at the model's rate r(n), the first
-    s_t of them (the spot instances there) paid at the spot price and the rest at the
-    on-demand price (within the pool's limit), with no pause for changes, starts or
-    start-ups. Any real run is one of these schedules (one count per interval, and it pays
-    at least for the instances it trains on: the elastic policies pay for every spot
-    instance they hold, a gang for N instances of one market, on spot only when s_t >= N),
-    so the cheapest relaxed schedule costs no more than any real run that finishes in time.
+    Relax the job to a linear program over the intervals before the deadline. In each
+    interval it may share the time at will among pairs (a, b): a spot instances (at most
+    the s_t there) and b on-demand ones that have started, a + b <= N, trained at the
+    model's rate r(a + b) with no pause for changes or restarts. Every rise of the
+    interval's mean b over the last one pays the on-demand start-up for the rise.
 
-    With time shared, what an interval's dollars can buy is the upper concave frontier of
-    its points (dollars(n), r(n)): steps of falling samples per dollar. Choosing how much
-    of each interval's frontier to buy is a fractional knapsack: taking steps across all
-    intervals, most samples per dollar first, until the work is done takes a prefix of
-    each interval's steps (a valid schedule) and is optimal by the knapsack's exchange
-    argument.
+    Any real run is one such schedule, one pair per interval, and pays at least its
+    dollars: its spot and started on-demand instances at their prices (holding more than
+    N costs more and trains no more), and a start-up for every on-demand instance that
+    starts, which the rises of b count at most. So the program's optimum costs no more
+    than any real run that finishes in time. Intervals in a row with the same spot count
+    and prices are one variable: sharing each pair's time evenly over them keeps the
+    samples and dollars and counts no more rises (a path through the values of b passes
+    through their mean). For each b only the pairs on the upper concave frontier of
+    (dollars, rate) over a are kept: the others are mixtures of those at less cost.
     """
     n = min(job.max_instances, model.max_instances)
-    steps = min(len(window.counts), int(np.ceil(job.deadline_hours * 3600 / window.interval_seconds - 1e-9)))
     step_hours = window.interval_seconds / 3600
+    steps = min(len(window.counts), int(np.ceil(job.deadline_hours / step_hours - 1e-9)))
     rates = np.asarray(model.rates[:n + 1], dtype=float)
-    counts = np.arange(n + 1)
-    rows = []  # per frontier step: dollars, samples, on-demand and spot instance-hours, interval
-    corners: dict[tuple[int, float, float], np.ndarray] = {}
+    most_on_demand = min(n, market.on_demand.max_count)
+    blocks: list[list] = []  # [hours, spot count, spot price, on-demand price]
     for t in range(steps):
         clock = window.start_hours + t * step_hours
-        spot = min(int(window.counts[t]), n, market.spot.max_count)
-        key = (spot, market.spot.price_at(clock), market.on_demand.price_at(clock))
-        if key not in corners:
-            usable = counts[counts - spot <= market.on_demand.max_count]
-            on_spot, on_demand = np.minimum(usable, spot), np.maximum(0, usable - spot)
-            hourly = key[1] * on_spot + key[2] * on_demand
-            hull = frontier(hourly, rates[usable])
-            points = np.column_stack((hourly, rates[usable] * 3600, on_demand, on_spot))[hull]
-            corners[key] = np.diff(points, axis=0)  # per step: $/h, samples/h, instances
+        key = [min(int(window.counts[t]), n, market.spot.max_count), market.spot.price_at(clock),
+               market.on_demand.price_at(clock)]
         share = min(1.0, job.deadline_hours / step_hours - t) * step_hours  # the deadline may cut the last interval
-        for step in corners[key]:
-            rows.append((*(step * share), t))
-    table = np.array(rows).reshape(-1, 5)
-    order = np.argsort(table[:, 0] / table[:, 1], kind="stable")
-    total = np.cumsum(table[order, 1])
-    if not len(total) or total[-1] < job.samples * (1 - 1e-12):
-        return Outcome(float(table[:, 0].sum()), None, False, float(table[:, 2].sum()), float(table[:, 3].sum()))
-    cut = int(np.searchsorted(total, job.samples))
-    taken = np.zeros(len(order))
-    taken[order[:cut]] = 1.0
-    taken[order[cut]] = (job.samples - (total[cut - 1] if cut else 0.0)) / table[order[cut], 1]
-    last = int(table[taken > 0, 4].max())
-    finish = min(job.deadline_hours, (last + 1) * step_hours)
-    dollars, _, od_hours, spot_hours = (taken[:, None] * table[:, :4]).sum(axis=0)
-    return Outcome(float(dollars), finish, True, float(od_hours), float(spot_hours))
+        if blocks and blocks[-1][1:] == key:
+            blocks[-1][0] += share
+        else:
+            blocks.append([share, *key])
+    columns = []  # per pair and block: block, dollars, samples, on-demand and spot instance-hours, b
+    for j, (hours, spot, spot_price, on_demand_price) in enumerate(blocks):
+        for b in range(most_on_demand + 1):
+            most_spot = min(spot, n - b)
+            hull = frontier(np.arange(most_spot + 1) * spot_price, rates[b:b + most_spot + 1])
+            for a in hull:
+                if a + b:
+                    columns.append((j, hours * (a * spot_price + b * on_demand_price), hours * 3600 * rates[a + b],
+                                    hours * b, hours * a, b))
+    table = np.array(columns, dtype=float).reshape(-1, 6)
+    block = table[:, 0].astype(int)
+    best = np.zeros(len(blocks), dtype=int)  # per block, its fastest pair: all of them is the most a run can do
+    for k in np.argsort(table[:, 2], kind="stable"):
+        best[block[k]] = k
+    if table[best, 2].sum() < job.samples * (1 - 1e-12):
+        return Outcome(float(table[best, 1].sum()), None, False, float(table[best, 3].sum()), float(table[best, 4].sum()))
+    chosen, dollars = _cheapest_schedule(job, table, block, [b[3] * market.on_demand.startup_hours for b in blocks])
+    last = int(block[chosen > 1e-9].max())
+    finish = min(job.deadline_hours, sum(b[0] for b in blocks[:last + 1]))
+    return Outcome(dollars, finish, True, float(chosen @ table[:, 3]), float(chosen @ table[:, 4]))
+
+
+def _cheapest_schedule(job: DeadlineJob, table: np.ndarray, block: np.ndarray,
+                       start_up: list[float]) -> tuple[np.ndarray, float]:
+    """The linear program of `omniscient`: each pair's share of its block, and the rises
+    of b as slack variables paying `start_up[j]` dollars each. Returns the shares and the
+    dollars."""
+    pairs, blocks = len(table), len(start_up)
+    column = np.arange(pairs)
+    later = block + 1 < blocks
+    rows = np.concatenate([block, np.full(pairs, blocks), blocks + 1 + block, blocks + 1 + block[later] + 1,
+                           blocks + 1 + np.arange(blocks)])
+    cols = np.concatenate([column, column, column, column[later], pairs + np.arange(blocks)])
+    values = np.concatenate([np.ones(pairs), -table[:, 2], table[:, 5], -table[later, 5], -np.ones(blocks)])
+    bounds = np.concatenate([np.ones(blocks), [-job.samples], np.zeros(blocks)])
+    result = linprog(np.concatenate([table[:, 1], start_up]), A_ub=csr_matrix((values, (rows, cols)),
+                     shape=(2 * blocks + 1, pairs + blocks)), b_ub=bounds, bounds=(0, None), method="highs")
+    if result.status != 0:
+        raise RuntimeError(f"the omniscient bound's linear program failed: {result.message}")
+    return result.x[:pairs], float(result.fun)
+

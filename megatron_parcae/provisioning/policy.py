@@ -7,8 +7,8 @@ runs on the count n that maximises price x rate(n) - dollars(n), where dollars(n
 spot for the first s instances and on-demand above. A low price trains on few spot
 instances (the cheapest samples: more instances buy fewer samples per dollar); a higher
 one uses more spot, then tops the job up with on-demand instances where spot is short,
-most where spot is shortest. The same rule run with the whole trace known is the
-fractional optimum `baselines.omniscient` computes.
+most where spot is shortest. The same rule run with the whole trace known, with no
+start-ups to pay, is the optimum of the linear program `baselines.omniscient` solves.
 
 Each interval the policy finds the lowest price whose expected rate, over the spot
 outlook (how often each spot count is expected), finishes the remaining work a reserve
