@@ -179,7 +179,8 @@ def _no_replicas(tmp_path: Path, memory: float, max_workers: int) -> None:
 @pytest.mark.slow
 def test_snapshots_of_two_and_three_instances_and_damaged_copies(live_job, uninterrupted, monkeypatch):
     """Two workers, one pipeline stage each, keep each other's snapshots every 2 steps;
-    then a third joins and the three keep them in a ring. The first copy exchanged
+    then a third joins and the three keep them in a ring, in host blocks allocated once
+    per layout. The first copy exchanged
     arrives with a flipped byte, one after the join cut short: neither is committed,
     each exchange is taken again, and every step trains as in an uninterrupted run. The
     probe (live_job) checks NCCL's rules throughout. Steps are paced (tests/hooks/paced.py)
@@ -211,30 +212,17 @@ def test_snapshots_of_two_and_three_instances_and_damaged_copies(live_job, unint
     kept = [e for e in worker_events(tmp_path) if isinstance(e, CopiesKept)]
     assert all(e.committed for e in kept), kept
     assert sum(e.damaged for e in kept) == 2, kept
+    # each layout allocates its own and its ward's host blocks once, retries included, and
+    # they hold the snapshot and nothing else
+    layouts = {e.generation for e in kept}
+    for path in tmp_path.glob("worker-*.events.jsonl"):  # a layout's rank 0 reports its own
+        mine = [e for e in read_events(path) if isinstance(e, CopiesKept)]
+        assert not mine or mine[-1].allocations <= 2 * len(layouts), mine
+    assert all(e.host_mib <= e.mib + CHUNK_MIB for e in kept), kept
+    assert len([e for e in kept if e.generation == grown.generation]) >= 2, kept  # reused at least once
     assert sorted(p.name for p in (tmp_path / "damage").iterdir()) == ["snapshot-flip", "snapshot-truncate"]
     assert store.done() is not None and store.done().iteration == ITERS
     trained = logged_steps(worker_events(tmp_path))
     assert sorted({e.iteration for e in trained}) == list(range(1, ITERS + 1))
     for e in trained:
         assert_close({e.iteration: e.losses["lm loss"]}, {e.iteration: uninterrupted[e.iteration]})
-
-
-@pytest.mark.slow
-def test_snapshot_memory_is_allocated_once_per_layout(live_job):
-    """Fifty steps with a snapshot every five, two workers keeping each other's copies:
-    each layout allocates its own and its ward's host blocks once, and they hold the
-    snapshot and nothing else."""
-    store, coordinator, worker, tmp_path = live_job
-    _no_replicas(tmp_path, 4.4e7, 2)
-    processes = [worker(w, "--parcae-copy-interval", "5", "--train-iters", "50") for w in (0, 1)]
-    wait_for(lambda: len(store.members()) == 2, 120, "two workers to register")
-    coordinator("a")
-    for w, p in enumerate(processes):
-        assert p.wait(timeout=400) == 0, (tmp_path / f"worker-{w}.log").read_text()[-3000:]
-    kept = [e for e in worker_events(tmp_path) if isinstance(e, CopiesKept)]
-    layouts = {e.generation for e in kept}
-    assert len(kept) >= 9 and all(e.committed and e.has_ward for e in kept), kept
-    for path in tmp_path.glob("worker-*.events.jsonl"):  # a layout's rank 0 reports its own
-        mine = [e for e in read_events(path) if isinstance(e, CopiesKept)]
-        assert not mine or mine[-1].allocations <= 2 * len(layouts), mine
-    assert all(e.host_mib <= e.mib + CHUNK_MIB for e in kept), kept
