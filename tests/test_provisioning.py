@@ -131,6 +131,13 @@ def test_omniscient_pays_on_demand_start_ups_and_holds_through_a_short_gap():
     assert omniscient(job(3, 3), window([0, 2, 0]), MARKET, LINEAR).dollars == pytest.approx(14.0)
 
 
+def test_omniscient_of_a_job_too_big_for_its_deadline_is_the_cheapest_run_at_full_speed():
+    out = omniscient(job(3, 2), window([1, 2]), MARKET, LINEAR)  # 6 hours of work at full speed in 2
+    assert not out.met_deadline and out.finish_hours is None
+    assert out.dollars == pytest.approx(6.0)  # 1 spot + 1 on-demand, then 2 spot
+    assert out.on_demand_instance_hours == pytest.approx(1.0) and out.spot_instance_hours == pytest.approx(3.0)
+
+
 # ---- the deadline policy -----------------------------------------------------------
 
 def state(**change) -> ProvisioningState:

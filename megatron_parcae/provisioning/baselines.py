@@ -156,8 +156,8 @@ def omniscient(job: DeadlineJob, window: SpotWindow, market: Market, model: Elas
                                     hours * b, hours * a, b))
     table = np.array(columns, dtype=float).reshape(-1, 6)
     block = table[:, 0].astype(int)
-    best = np.zeros(len(blocks), dtype=int)  # per block, its fastest pair: all of them is the most a run can do
-    for k in np.argsort(table[:, 2], kind="stable"):
+    best = np.zeros(len(blocks), dtype=int)  # per block, its fastest pair (the cheapest of them): the most a run can do
+    for k in np.lexsort((-table[:, 1], table[:, 2])):
         best[block[k]] = k
     if table[best, 2].sum() < job.samples * (1 - 1e-12):
         return Outcome(float(table[best, 1].sum()), None, False, float(table[best, 3].sum()), float(table[best, 4].sum()))
