@@ -131,6 +131,14 @@ def test_omniscient_pays_on_demand_start_ups_and_holds_through_a_short_gap():
     assert omniscient(job(3, 3), window([0, 2, 0]), MARKET, LINEAR).dollars == pytest.approx(14.0)
 
 
+def test_omniscient_prices_a_start_up_before_a_price_rise_at_the_older_price():
+    on_demand = Pool("on-demand", "on-demand", 1, PriceTrace((0.0, 1.0), (1.0, 10.0)), 1, startup_hours=1.0)
+    rising = Market(Pool("spot", "spot", 1, 0.5, 1), on_demand)
+    out = omniscient(job(2, 2, n=1, rate=1.0), window([1, 0]), rising, LINEAR)
+    # a run on spot in hour 0 that starts an on-demand instance meanwhile (at $1) pays 0.5 + 1 + 10
+    assert out.dollars == pytest.approx(11.5) and out.met_deadline
+
+
 def test_omniscient_of_a_job_too_big_for_its_deadline_is_the_cheapest_run_at_full_speed():
     out = omniscient(job(3, 2), window([1, 2]), MARKET, LINEAR)  # 6 hours of work at full speed in 2
     assert not out.met_deadline and out.finish_hours is None

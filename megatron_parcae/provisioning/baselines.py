@@ -128,23 +128,28 @@ def omniscient(job: DeadlineJob, window: SpotWindow, market: Market, model: Elas
     and prices are one variable: sharing each pair's time evenly over them keeps the
     samples and dollars and counts no more rises (a path through the values of b passes
     through their mean). For each b only the pairs on the upper concave frontier of
-    (dollars, rate) over a are kept: the others are mixtures of those at less cost.
+    (dollars, rate) over a are kept: the others are mixtures of those at less cost. A
+    start-up is priced at the lowest on-demand price of the intervals it may have run in
+    (a rising price trace would otherwise charge more than a run that started early paid).
     """
     n = min(job.max_instances, model.max_instances)
     step_hours = window.interval_seconds / 3600
     steps = min(len(window.counts), int(np.ceil(job.deadline_hours / step_hours - 1e-9)))
     rates = np.asarray(model.rates[:n + 1], dtype=float)
     most_on_demand = min(n, market.on_demand.max_count)
+    on_demand_prices = [market.on_demand.price_at(window.start_hours + t * step_hours) for t in range(steps)]
+    starting = int(np.ceil(market.on_demand.startup_hours / step_hours - 1e-9))  # intervals a start-up is paid in
     blocks: list[list] = []  # [hours, spot count, spot price, on-demand price]
+    start_ups = []  # per block: the least a start-up that ends at its first interval can have cost
     for t in range(steps):
         clock = window.start_hours + t * step_hours
-        key = [min(int(window.counts[t]), n, market.spot.max_count), market.spot.price_at(clock),
-               market.on_demand.price_at(clock)]
+        key = [min(int(window.counts[t]), n, market.spot.max_count), market.spot.price_at(clock), on_demand_prices[t]]
         share = min(1.0, job.deadline_hours / step_hours - t) * step_hours  # the deadline may cut the last interval
         if blocks and blocks[-1][1:] == key:
             blocks[-1][0] += share
         else:
             blocks.append([share, *key])
+            start_ups.append(market.on_demand.startup_hours * min(on_demand_prices[max(0, t - starting):t + 1]))
     columns = []  # per pair and block: block, dollars, samples, on-demand and spot instance-hours, b
     for j, (hours, spot, spot_price, on_demand_price) in enumerate(blocks):
         for b in range(most_on_demand + 1):
@@ -159,9 +164,10 @@ def omniscient(job: DeadlineJob, window: SpotWindow, market: Market, model: Elas
     best = np.zeros(len(blocks), dtype=int)  # per block, its fastest pair (the cheapest of them): the most a run can do
     for k in np.lexsort((-table[:, 1], table[:, 2])):
         best[block[k]] = k
-    if table[best, 2].sum() < job.samples * (1 - 1e-12):
-        return Outcome(float(table[best, 1].sum()), None, False, float(table[best, 3].sum()), float(table[best, 4].sum()))
-    chosen, dollars = _cheapest_schedule(job, table, block, [b[3] * market.on_demand.startup_hours for b in blocks])
+    dollars, samples, on_demand_hours, spot_hours = table[best, 1:5].sum(axis=0)
+    if samples < job.samples * (1 - 1e-12):
+        return Outcome(float(dollars), None, False, float(on_demand_hours), float(spot_hours))
+    chosen, dollars = _cheapest_schedule(job, table, block, start_ups)
     last = int(block[chosen > 1e-9].max())
     finish = min(job.deadline_hours, sum(b[0] for b in blocks[:last + 1]))
     return Outcome(dollars, finish, True, float(chosen @ table[:, 3]), float(chosen @ table[:, 4]))
