@@ -210,7 +210,7 @@ def test_snapshots_of_two_and_three_instances_and_damaged_copies(live_job, unint
     for w, p in processes.items():
         assert p.wait(timeout=400) == 0, (tmp_path / f"worker-{w}.log").read_text()[-3000:]
     kept = [e for e in worker_events(tmp_path) if isinstance(e, CopiesKept)]
-    assert all(e.committed for e in kept), kept
+    assert all(e.committed and e.has_ward for e in kept), kept
     assert sum(e.damaged for e in kept) == 2, kept
     # each layout allocates its own and its ward's host blocks once, retries included, and
     # they hold the snapshot and nothing else
