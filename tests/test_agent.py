@@ -173,6 +173,26 @@ def test_step_records_are_sent_when_due_and_the_held_one_before_a_change(job_age
     wait_for(lambda: store.progress().iteration == 6, 10, "the record after the interval")
 
 
+def test_a_survivor_raises_the_record_to_what_it_trained_but_never_past_a_newer_plan(job_agent):
+    agent, store = job_agent
+    assert store.publish_plan(envelope(1, [3]))
+    agent.acknowledge(1)
+    agent.record_progress(8, 64)
+    agent.progress_written()
+    assert not agent.raise_progress(7, 56, generation=1)  # behind the record: kept
+    assert agent.raise_progress(10, 80, generation=1, copies=1)  # rank 0 died holding its newer record
+    assert store.progress().to_dict() | {"recorded_at": 0} == {"generation": 1, "iteration": 10,
+                                                               "consumed_samples": 80, "recorded_at": 0,
+                                                               "copies": 1}
+    assert store.publish_plan(envelope(2, [3]))
+    agent.record_progress(5, 40, generation=2)  # a restart went back to iteration 5
+    assert not agent.raise_progress(10, 80, generation=1)  # a late survivor of generation 1
+    assert store.progress().iteration == 5
+    assert store.fence_member(3)
+    assert not agent.raise_progress(12, 96, generation=2)  # no longer a member
+    assert store.progress().iteration == 5
+
+
 def test_duplicate_worker_id_is_refused(job_agent, client):
     agent, store = job_agent
     twin = ParcaeAgent(client, store.keys.job, 3, GRACE_S, lease_seconds=1)

@@ -377,9 +377,11 @@ class ParcaeAgent:
         generation or snapshots, or PROGRESS_INTERVAL_S after the last one sent, and is
         otherwise held; `progress_written()` (before a change or a restart reads the job's
         progress) sends the held one. Each write costs etcd a WAL sync and this process a
-        gRPC call, which steps of a fraction of a second feel on a small host. Only when
-        every process that trained the newest steps dies at once does a restart count
-        fewer steps lost (up to PROGRESS_INTERVAL_S of them) than it retrains.
+        gRPC call, which steps of a fraction of a second feel on a small host. A survivor
+        of a broken layout raises the record to what it trained (`raise_progress`): only
+        when every process that trained the newest steps dies before it sees the layout
+        break does a restart count fewer steps lost (up to PROGRESS_INTERVAL_S of them)
+        than it retrains.
 
         A sent record is answered while the next step trains: the next record,
         `progress_written()` and `stop()` read the answer. Waiting for it at the step's end
@@ -436,6 +438,21 @@ class ParcaeAgent:
         if held is not None:
             self._send_progress(held, step=True)
         self._answer_progress()
+
+    def raise_progress(self, iteration: int, consumed_samples: int, generation: int, copies: int = 0) -> bool:
+        """A survivor of `generation`'s broken layout records what it trained where the job's
+        record says less (rank 0 holds records back, and may be gone with its held one);
+        a newer generation's record stays. Written now, from the caller's thread: it may be
+        preempted next. False where etcd did not take it (a later restart then counts from
+        the record as it is)."""
+        self.progress_written()
+        assert self._lease is not None
+        record = ProgressRecord(generation, iteration, consumed_samples, time.time(), copies)
+        try:
+            return self._store.raise_progress(record, self.worker_id, self._lease.id)
+        except (EtcdError, SchemaError) as exc:
+            log.warning("worker %d could not record that it trained iteration %d: %s", self.worker_id, iteration, exc)
+            return False
 
     def _answer_progress(self) -> None:
         sent, self._progress_sent = self._progress_sent, None

@@ -290,7 +290,7 @@ class DoneRecord(Record):
 @dataclass(frozen=True)
 class ProgressRecord(Record):
     """How far the job's training got: the running layout's rank 0 writes it after every
-    step and after a restart. It outlives the workers, so a restart from a checkpoint can
+    step and after a restart, a survivor of a broken layout raises it. It outlives the workers, so a restart from a checkpoint can
     tell the steps it lost even when every worker that trained them is gone."""
 
     generation: int
@@ -900,6 +900,21 @@ class JobStore:
     def _progress_txn(self, record: ProgressRecord, worker_id: int, lease: int) -> tuple[list[Compare], list[Put]]:
         """(guard, write) of a progress record: written only while `worker_id` is a member on `lease`."""
         return [Compare(self.keys.member(worker_id), "lease", "==", lease)], [Put(self.keys.progress, record.encode())]
+
+    def raise_progress(self, record: ProgressRecord, worker_id: int, lease: int) -> bool:
+        """Write `record` if it is further than the job's record of the same or an older
+        generation, and `worker_id` is still a member on `lease`: a survivor of a broken
+        layout tells what it trained, never undoing a newer plan's record of where training
+        went back to. Returns whether it was written."""
+        kv = self.client.get(self.keys.progress)
+        current = None if kv is None else ProgressRecord.decode(kv.value, kv.key)
+        if current is not None and (current.generation > record.generation
+                                    or current.consumed_samples >= record.consumed_samples):
+            return False
+        unchanged = (Compare(self.keys.progress, "version", "==", 0) if kv is None
+                     else Compare(self.keys.progress, "mod", "==", kv.mod_revision))
+        guard, write = self._progress_txn(record, worker_id, lease)
+        return self.client.txn([*guard, unchanged], write).succeeded
 
     def progress(self) -> ProgressRecord | None:
         kv = self.client.get(self.keys.progress)

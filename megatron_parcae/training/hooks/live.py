@@ -308,6 +308,9 @@ class LiveReconfiguration:
         release_runtime(runtime)
         self._report_broken(self.generation, consumed_samples, error, self._state_of if held is not None else 0)
         self._recorded_when_broken = self._recorded_samples()
+        if self._recorded_when_broken < consumed_samples:  # after the read: `logs_again` asks what rank 0 recorded
+            self.agent.raise_progress(consumed_samples // self.samples_per_iteration, consumed_samples,
+                                      self.generation, self._copies_generation)
         return self._await_plan(held, consumed_samples)
 
     def finish(self, consumed_samples: int | None) -> None:
