@@ -290,8 +290,9 @@ class DoneRecord(Record):
 @dataclass(frozen=True)
 class ProgressRecord(Record):
     """How far the job's training got: the running layout's rank 0 writes it after every
-    step and after a restart, a survivor of a broken layout raises it. It outlives the workers, so a restart from a checkpoint can
-    tell the steps it lost even when every worker that trained them is gone."""
+    step and after a restart, a survivor of a broken layout raises it. It outlives the
+    workers, so a restart from a checkpoint can tell the steps it lost even when every
+    worker that trained them is gone."""
 
     generation: int
     iteration: int
