@@ -33,8 +33,9 @@ kernels at import (megatron.core.jit)      with ``torch.compile`` passing functi
 =========================================  =============================================
 
 ``enable_cpu_support()`` does all of this once per process and does nothing when CUDA is
-available, so GPU runs execute megatron-core untouched. The mode costs about 2-3% of a
-CPU training step (docs/megatron-core.md).
+available, so GPU runs execute megatron-core untouched. The mode takes every torch call
+through Python, 8.5% of a GPT-tiny CPU step and 19.4% of the tests' smaller model's
+(benchmarks/results/cpu_mode_cost.txt).
 """
 
 from __future__ import annotations
