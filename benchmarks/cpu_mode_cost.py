@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 6
 # The configs' model (configs/gpt-tiny.yaml), and the smaller one the tests train (tests/helpers.py SMALL_GPT).
@@ -98,11 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="parcae-mode-cost-") as tmp:
         rows = [measure(model, args.iterations, Path(tmp)) for model in MODELS]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     command = " ".join(["python -m benchmarks.cpu_mode_cost", *argv])
-    result = {"command": command, "commit": commit + (" plus uncommitted changes" if dirty else ""),
+    result = {"command": command, "commit": provenance.commit(),
               "cpu_cores": os.cpu_count(), "iterations": args.iterations, "results": rows}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks import provenance
 from megatron_parcae.liveput.cost import CostConstants
 from megatron_parcae.provisioning.job import DeadlineJob, SpotWindow
 from megatron_parcae.tools import deadline, simulate
@@ -91,14 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         checks[f"D={hours:g}: deadline within {WITHIN:.0%} of omniscient on average"] = \
             means["deadline"] <= (1 + WITHIN) * means["omniscient"]
     command = "python -m benchmarks.deadline_policies " + " ".join(argv if argv is not None else sys.argv[1:])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
     per_run = " ".join(["parcae simulate --trace", args.trace, "--profile", args.profile, "--max-instances", str(n),
                         "--job-hours", f"{args.job_hours:g}", "--deadline-hours D --spot-price", f"{args.spot_price:g}",
                         "--on-demand-price", f"{args.on_demand_price:g}", "--restart-hours", f"{args.restart_hours:g}",
                         "--policies", ",".join(deadline.POLICIES), "--start-hours H --json"])
     result = {"command": command.strip(), "per_run_command": per_run,
-              "commit": commit + (" plus uncommitted changes" if dirty else ""),
+              "commit": provenance.commit(),
               "trace": args.trace, "trace_hours": round(trace_hours, 3), "profile": args.profile,
               "max_instances": n, "job_hours": args.job_hours, "samples": round(samples, 1),
               "spot_price": args.spot_price, "on_demand_price": args.on_demand_price,

@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import provenance
+
 REPO = Path(__file__).resolve().parents[1]
 TRAINING = ["scripts/pretrain_gpt.py", "--config", "configs/gpt-tiny.yaml", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
@@ -70,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deadline_replay: parcae replay exited {done.returncode}", file=sys.stderr)
         return 1
     runs = json.loads(summary_path.read_text())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip())
+    commit = provenance.commit()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     with_on_demand, spot_only = runs["parcae"], runs["spot-only"]
     changes = with_on_demand["provisioned"]
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     lines = [f"# command: {shown}",
              f"# run by: python -m benchmarks.deadline_replay {shlex.join(sys.argv[1:] if argv is None else argv)}",
-             f"# commit: {commit}{' plus uncommitted changes' if dirty else ''}",
+             f"# commit: {commit}",
              f"# date: {date}",
              "# machine: 2 CPU cores, no GPU; paced workers (tests/hooks/paced.py)",
              f"# job: {args.iterations} iterations due {args.deadline_hours:g} trace hours after trace hour 0; "

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks import provenance
 from megatron_parcae.control.etcd import EtcdServer
 from megatron_parcae.events import Event, EventFollower, Iteration, LayoutChange
 from megatron_parcae.tools.replay import interrupt_on_signals
@@ -512,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     met = report(comparisons)
     if args.json is not None:
         figures_out = {
-            "command": " ".join(["python -m benchmarks.parcae_overhead", *argv]),
+            "command": " ".join(["python -m benchmarks.parcae_overhead", *argv]), "commit": provenance.commit(),
             "config": CONFIG, "iterations": args.iterations, "warmup_iterations": WARMUP, "rounds": args.rounds,
             "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg(), "turn_seconds": SLICE_S,
             "copy_interval": args.copy_interval,
