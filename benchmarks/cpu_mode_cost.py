@@ -8,7 +8,7 @@ sequence-parallel mappings), so it is measured by adding a second, pass-through 
 the training process alternates steps with and without it, and the extra mode's cost
 per step is the mode's own. Steps alternate one by one in one process, so a shared
 machine's drift falls on both alike. CPU time (the process's, every thread) per step,
-median over the steps after WARMUP.
+median over the steps after the first WARMUP.
 
     python -m benchmarks.cpu_mode_cost [--iterations 80] [--out benchmarks/results/cpu_mode_cost]
 """
@@ -22,6 +22,7 @@ import runpy
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=80)
     parser.add_argument("--out", default="benchmarks/results/cpu_mode_cost", help="writes OUT.txt and OUT.json")
     args = parser.parse_args(argv)
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="parcae-mode-cost-") as tmp:
         rows = [measure(model, args.iterations, Path(tmp)) for model in MODELS]
     command = " ".join(["python -m benchmarks.cpu_mode_cost", *argv])
