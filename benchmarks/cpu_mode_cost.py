@@ -53,8 +53,7 @@ def _child(argv: list[str], out: Path) -> None:
     times: dict[str, list[float]] = {"without": [], "with": []}
 
     def alternating(self, *args, **kwargs):
-        extra = len(times["without"]) + len(times["with"])
-        which = "with" if extra % 2 else "without"
+        which = "with" if (len(times["without"]) + len(times["with"])) % 2 else "without"
         start = time.process_time()
         if which == "with":
             with PassThrough():
