@@ -627,6 +627,33 @@ def test_a_change_that_keeps_breaking_is_retried_at_most_max_retries_times(job):
         assert store.plan(generation).migration is None and decision(store, generation)["kind"] == "restart"
 
 
+def test_a_rollback_to_snapshots_that_keeps_breaking_is_retried_at_most_max_retries_times(job):
+    """Rank 0's record names snapshots no worker holds whole (one was lost while they were
+    being replaced): every rollback to them breaks, nobody lost. After MAX_RETRIES retries
+    the job restarts from its checkpoint instead of looping."""
+    from megatron_parcae.control.etcd.keys import ProgressRecord
+
+    store, workers, tmp_path = job
+    workers += [Worker(store, w) for w in range(4)]
+    with running(store, write_config(tmp_path, **{"min-workers": 3})):
+        wait_generation(store, 1)
+        for worker in workers:
+            worker.acknowledge(1)
+        assert store.record_progress(ProgressRecord(1, 10, 80, time.time(), copies=1), 0, workers[0].lease.id)
+        for worker in workers[:3]:
+            worker.broke(1, state_kept=False, state_of=0)
+        workers[3].vanish()
+        generation = 2
+        for attempt in range(MAX_RETRIES + 1):
+            wait_generation(store, generation)
+            assert migration(store, generation).request.copies.generation == 1, (attempt, decision(store, generation))
+            for worker in workers[:3]:
+                worker.broke(generation, state_kept=False, state_of=0)
+            generation += 1
+        wait_generation(store, generation)
+        assert store.plan(generation).migration is None and decision(store, generation)["kind"] == "restart"
+
+
 def test_member_whose_notice_expired_is_dropped_and_fenced(job):
     store, workers, tmp_path = job
     workers += [Worker(store, w) for w in range(3)]

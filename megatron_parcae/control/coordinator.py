@@ -122,7 +122,9 @@ from reconfig.placement import MAX_GPUS_PER_INSTANCE, ONE_GPU, Placement, copy_h
 log = logging.getLogger("parcae.coordinator")
 
 STUCK_LEASES = 3  # a live worker silent this many lease periods after its WORLD broke counts as lost
-MAX_RETRIES = 3  # retries of a change from one layout's kept state before the snapshots or the checkpoint
+# Retries of a change from one layout's kept state before the snapshots or the checkpoint,
+# and of a rollback to one generation's snapshots before the checkpoint.
+MAX_RETRIES = 3
 NOTICE_BATCH_SECONDS = 1.0  # how long a forced change waits for the rest of a batch of notices (at most)
 MAX_REST_SECONDS = 0.25  # the longest rest after a reconcile (see Coordinator._lead)
 
@@ -394,6 +396,7 @@ class Coordinator:
         self._loss_in_change = FirstSeen()  # a worker was lost while the change to the generation is applied
         self._stuck: tuple[int, frozenset[int]] = (0, frozenset())  # the workers last counted lost for not reporting
         self._retried: tuple[int, int] = (0, 0)  # (generation whose kept state changes were retried from, times)
+        self._rolled_back: tuple[int, int] = (0, 0)  # (generation whose snapshots were rolled back to, times)
         self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
         self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
         grace = optimizer.costs.constants.grace_period_seconds
@@ -1011,17 +1014,27 @@ class Coordinator:
     def _from_copies(self, view: MemberView) -> Decision | None:
         """A plan that rolls the workers back to their newest snapshots (reconfig/copies.py)
         and fills the lost ones' slots from their buddies' copies; None when the workers
-        keep none (the progress record names their generation) or they cannot make up
-        for what was lost (a worker and its buddy both gone)."""
+        keep none (the progress record names their generation), they cannot make up for
+        what was lost (a worker and its buddy both gone), or rollbacks to these snapshots
+        broke MAX_RETRIES times after the first (a worker lost while the snapshots were
+        being replaced leaves none whole, and the record can be a step behind)."""
         progress = self._store.progress()
         envelope = None if progress is None or not progress.copies else self._store.plan(progress.copies)
         holders = {} if envelope is None or envelope.action != TRAIN else envelope.holders()
         if not holders:
             return None
+        times = self._rolled_back[1] if self._rolled_back[0] == envelope.generation else 0
+        if times > MAX_RETRIES:
+            log.warning("rolling back to generation %d's snapshots broke %d times: not tried again",
+                        envelope.generation, times)
+            return None
         layout = Layout.from_dict(envelope.layout)
         decision = self._decide(layout, view.available, self._forecast, view.noticed & layout.workers,
                                 placement=view.placement, copies=Copies(envelope.generation, holders))
-        return decision if decision.plan is not None else None
+        if decision.plan is None:
+            return None
+        self._rolled_back = (envelope.generation, times + 1)
+        return decision
 
     def _publish_decision(self, generation: int, decision: Decision, current: Layout | None, view: MemberView,
                           members: dict[int, MemberRecord]) -> None:

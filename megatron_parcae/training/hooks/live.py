@@ -243,6 +243,7 @@ class LiveReconfiguration:
         ward = next((w for w, h in holders.items() if h == me), None)
         peers = self._state_layout.dp_peers(me)
         damaged = self.snapshots.damaged_exchanges
+        self._copies_generation = 0  # taking one overwrites the snapshots held until now
         snapshot = self.snapshots.take(runtime, self.world, self.generation, iteration, consumed_samples,
                                        holders.get(me), ward, peers)
         if snapshot is not None:
