@@ -5,7 +5,9 @@ Flags are Megatron-LM's (see `--help`); `--config FILE.yaml` supplies them from 
 
 import sys
 
-from megatron_parcae.training.pretrain import pretrain
-
 if __name__ == "__main__":
+    # Imported here: the process the checkpoint writer's results queue is served from
+    # imports this file again as a module, and needs none of the training code.
+    from megatron_parcae.training.pretrain import pretrain
+
     sys.exit(pretrain("gpt"))

@@ -34,9 +34,6 @@ import sys
 from collections import defaultdict, deque
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 REPO = Path(__file__).resolve().parents[1]
 # The project's code, and what PARCAE_PROBE_ALSO adds (a test's own script).
 OURS = (str(REPO / "megatron_parcae") + os.sep, str(REPO / "reconfig") + os.sep,
@@ -257,17 +254,6 @@ def _original(function):
     return getattr(function, "original", function)
 
 
-class _P2POp(dist.P2POp):
-    """torch's P2POp with the original isend/irecv: batch_isend_irecv tells them apart by
-    identity."""
-
-    def __new__(cls, op, *args, **kwargs):
-        return super().__new__(cls, _original(op), *args, **kwargs)
-
-    def __init__(self, op, *args, **kwargs):
-        super().__init__(_original(op), *args, **kwargs)
-
-
 # -- replaying the ranks under NCCL's rules ---------------------------------------------
 
 
@@ -450,6 +436,22 @@ def read_findings(out_dir: Path) -> tuple[set[tuple[str, str]], list[str]]:
 
 
 if __name__ == "__main__":
+    # torch is imported only here, where the probe runs: multiprocessing's spawned helpers
+    # (the checkpoint writer's results queue) import this file again as a module, and
+    # tests read findings with it.
+    import torch
+    import torch.distributed as dist
+
+    class _P2POp(dist.P2POp):
+        """torch's P2POp with the original isend/irecv: batch_isend_irecv tells them apart
+        by identity."""
+
+        def __new__(cls, op, *args, **kwargs):
+            return super().__new__(cls, _original(op), *args, **kwargs)
+
+        def __init__(self, op, *args, **kwargs):
+            super().__init__(_original(op), *args, **kwargs)
+
     out, script, *rest = sys.argv[1:]
     Probe(Path(out)).install()
     # Small chunks, so that the chunked gathers of optimizer state and the chunked

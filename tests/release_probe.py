@@ -23,8 +23,6 @@ import weakref
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -36,6 +34,10 @@ def _optimizers(optimizer) -> list:
 
 def _layout_objects(runtime) -> list[tuple[str, object]]:
     """(kind, object) of everything a layout owns that must not outlive it."""
+    # Not imported at the top: multiprocessing's spawned helpers (the checkpoint writer's
+    # results queue) import this file again as a module, and need no torch.
+    import torch
+
     found: list[tuple[str, object]] = []
     for chunk in runtime.model:
         found.append(("model chunk", chunk))
