@@ -341,6 +341,21 @@ class FirstSeen:
         return time.monotonic() - self.at
 
 
+@dataclass
+class Attempts:
+    """How many plans in a row started from one source (the generation whose kept state or
+    snapshots they start from): a failure that recurs must not loop."""
+
+    source: int = 0
+    times: int = 0
+
+    def of(self, source: int) -> int:
+        return self.times if source == self.source else 0
+
+    def count(self, source: int) -> None:
+        self.source, self.times = source, self.of(source) + 1
+
+
 class Coordinator:
     """Leader election, then reconcile on every membership change and interval boundary.
 
@@ -395,8 +410,8 @@ class Coordinator:
         self._broken_seen = FirstSeen()  # a worker said the generation's WORLD broke
         self._loss_in_change = FirstSeen()  # a worker was lost while the change to the generation is applied
         self._stuck: tuple[int, frozenset[int]] = (0, frozenset())  # the workers last counted lost for not reporting
-        self._retried: tuple[int, int] = (0, 0)  # (generation whose kept state changes were retried from, times)
-        self._rolled_back: tuple[int, int] = (0, 0)  # (generation whose snapshots were rolled back to, times)
+        self._retried = Attempts()  # changes retried from a generation's kept state
+        self._rolled_back = Attempts()  # rollbacks to a generation's snapshots
         self._noticed_at: dict[int, float] = {}  # monotonic time each leaving worker was first seen leaving
         self._batch_until = 0.0  # monotonic time the newest batch of notices is answered
         grace = optimizer.costs.constants.grace_period_seconds
@@ -992,7 +1007,7 @@ class Coordinator:
         if len(kept) != 1 or generation in kept:
             return None
         source = kept.pop()
-        times = self._retried[1] if self._retried[0] == source else 0
+        times = self._retried.of(source)
         if times >= MAX_RETRIES:
             log.warning("the change from generation %d's state broke %d times after retries: not retried again",
                         source, times + 1)
@@ -1008,7 +1023,7 @@ class Coordinator:
                                   view.noticed & holders)
         if decision.plan is None:
             return None
-        self._retried = (source, times + 1)
+        self._retried.count(source)
         return decision
 
     def _from_copies(self, view: MemberView) -> Decision | None:
@@ -1023,18 +1038,15 @@ class Coordinator:
         holders = {} if envelope is None or envelope.action != TRAIN else envelope.holders()
         if not holders:
             return None
-        times = self._rolled_back[1] if self._rolled_back[0] == envelope.generation else 0
+        times = self._rolled_back.of(envelope.generation)
         if times > MAX_RETRIES:
-            log.warning("rolling back to generation %d's snapshots broke %d times: not tried again",
-                        envelope.generation, times)
+            self._warn_once(f"rolling back to generation {envelope.generation}'s snapshots broke {times} times: "
+                            "not tried again")
             return None
         layout = Layout.from_dict(envelope.layout)
         decision = self._decide(layout, view.available, self._forecast, view.noticed & layout.workers,
                                 placement=view.placement, copies=Copies(envelope.generation, holders))
-        if decision.plan is None:
-            return None
-        self._rolled_back = (envelope.generation, times + 1)
-        return decision
+        return decision if decision.plan is not None else None
 
     def _publish_decision(self, generation: int, decision: Decision, current: Layout | None, view: MemberView,
                           members: dict[int, MemberRecord]) -> None:
@@ -1059,6 +1071,8 @@ class Coordinator:
                  seconds, reason)
         self._last_warning = ""
         self._busy_until = time.monotonic() + seconds
+        if plan is not None and plan.request.copies is not None:  # counted once published, not once decided
+            self._rolled_back.count(plan.request.copies.generation)
         self._admitted = {w: _process(members[w]) for w in layout.workers}
         self._decisions.append({"generation": generation, "at": envelope.created_at, "reason": reason, "kind": kind,
                                 "seconds": round(float(seconds), 6)})
