@@ -12,5 +12,6 @@ import sys
 _HELPER = "--multiprocessing-fork" in sys.orig_argv \
     or any(arg.startswith("from multiprocessing.resource_tracker import") for arg in sys.orig_argv)
 
-for _name in filter(None, "" if _HELPER else os.environ.get("PARCAE_TEST_HOOKS", "").split(",")):
-    importlib.import_module(_name)
+if not _HELPER:
+    for _name in filter(None, os.environ.get("PARCAE_TEST_HOOKS", "").split(",")):
+        importlib.import_module(_name)
