@@ -22,17 +22,19 @@ iteration 0):
 - wall: the "elapsed time per iteration (ms)" the training script reports (--log-interval 1,
   in its --parcae-events file), of the counted iterations no pause fell in. A window
   starts after the previous iteration was reported, so it holds the iteration
-  boundary's parcae work. The figure is the median over all rounds.
+  boundary's parcae work. Reported pooled over all rounds (median, mean) and paired (below).
 - CPU: user + system time (every thread) the run's processes spent per counted
   iteration, read from /proc as each iteration is reported, summed over all rounds:
   the training processes (parcae: main loop, agent thread, etcd client threads), and
   the run's other processes (plain: torchrun's agent; parcae: etcd and the coordinator,
   which on a cluster run off the training hosts). This figure says where an overhead
   comes from.
-The bar is judged on wall time: 2% on the median without snapshots (--copy-interval 0),
-3% on the mean with them (issue 18: every K steps each worker snapshots its state and
-sends a copy to its buddy, one iteration in K pays it); exits 1 if a run fails or the bar
-is missed.
+The bar is judged on wall time, paired: within each round, parcae's figure over plain's,
+and the median of those ratios over the rounds (only a round's two runs share a stretch
+of the machine's drift). The figure within a round is the median without snapshots
+(--copy-interval 0; bar 2%) and the mean with them (bar 3%; issue 18: every K steps each
+worker snapshots its state and sends a copy to its buddy, one iteration in K pays it).
+Exits 1 if a run fails or the bar is missed.
 
     nice python -m benchmarks.parcae_overhead [--iterations 30] [--rounds 3] [--copy-interval K] [--json PATH]
 """
@@ -125,10 +127,18 @@ class Comparison:
         return sum(self.cpu_ms("parcae", part) for part in ("training", "side")) / \
             sum(self.cpu_ms("plain", part) for part in ("training", "side"))
 
-    def round_ratios(self) -> list[float]:
-        """Median parcae / median plain within each round: how far machine noise moves wall time."""
-        return [statistics.median(b.iteration_ms) / statistics.median(a.iteration_ms)
-                for a, b in zip(self.runs["plain"], self.runs["parcae"])]
+    def round_ratios(self, within: Callable[[list[float]], float] = statistics.median) -> list[float]:
+        """parcae / plain within each round (`within`: the median or the mean of its iterations)."""
+        return [within(b.iteration_ms) / within(a.iteration_ms) for a, b in zip(self.runs["plain"], self.runs["parcae"])]
+
+    def paired_ratio(self, within: Callable[[list[float]], float]) -> float:
+        """The median over rounds of the ratio within each round: the figure the bar is judged on.
+
+        Only a round's two runs share a stretch of the machine's drift. Pooling every
+        round's iterations mixes stretches and weights each by its iterations not paused
+        in, which differ between the two runs (the one that ends first ends the count).
+        """
+        return statistics.median(self.round_ratios(within))
 
     def to_dict(self) -> dict:
         modes = {mode: {"median_iteration_ms": self.median_ms(mode), "mean_iteration_ms": self.mean_ms(mode),
@@ -139,6 +149,9 @@ class Comparison:
                 "wall_ratio": self.wall_ratio, "wall_overhead_percent": (self.wall_ratio - 1.0) * 100.0,
                 "mean_wall_overhead_percent": (self.mean_wall_ratio - 1.0) * 100.0,
                 "round_wall_ratios": self.round_ratios(),
+                "round_mean_wall_ratios": self.round_ratios(statistics.fmean),
+                "paired_overhead_percent": (self.paired_ratio(statistics.median) - 1.0) * 100.0,
+                "paired_mean_overhead_percent": (self.paired_ratio(statistics.fmean) - 1.0) * 100.0,
                 "training_cpu_overhead_percent": (self.training_cpu_ratio - 1.0) * 100.0,
                 "all_cpu_overhead_percent": (self.all_cpu_ratio - 1.0) * 100.0}
 
@@ -453,14 +466,18 @@ def report(comparisons: list[Comparison]) -> bool:
               f"{' '.join(f'{r:.3f}' for r in c.round_ratios())}")
     for c in comparisons:
         print(f"{c.processes:>2} mean wall ms per iteration: plain {c.mean_ms('plain'):.1f}, parcae "
-              f"{c.mean_ms('parcae'):.1f}, overhead {(c.mean_wall_ratio - 1) * 100:+.2f}%")
+              f"{c.mean_ms('parcae'):.1f}, overhead {(c.mean_wall_ratio - 1) * 100:+.2f}%; paired (median over rounds "
+              f"of each round's ratio): {(c.paired_ratio(statistics.median) - 1) * 100:+.2f}% on medians, "
+              f"{(c.paired_ratio(statistics.fmean) - 1) * 100:+.2f}% on means")
     copies = int(COPIES[1])
     bar = COPIES_BAR_PERCENT if copies else BAR_PERCENT
-    worst = max(((c.mean_wall_ratio if copies else c.wall_ratio) - 1.0) * 100.0 for c in comparisons)
+    within = statistics.fmean if copies else statistics.median
+    worst = max((c.paired_ratio(within) - 1.0) * 100.0 for c in comparisons)
     print(f"--parcae{f' with snapshots every {copies} steps' if copies else ' without snapshots'} costs at most "
-          f"{bar:.0f}% per iteration (wall, {'mean' if copies else 'median'}): {'yes' if worst <= bar else 'NO'} "
-          f"(worst {worst:+.2f}%)")
-    print("wall: median (and mean) over all rounds of the reported per-iteration time. CPU: user + system time per counted "
+          f"{bar:.0f}% per iteration (wall, paired on each round's {'mean' if copies else 'median'}): "
+          f"{'yes' if worst <= bar else 'NO'} (worst {worst:+.2f}%)")
+    print("wall: median (and mean) over all rounds of the reported per-iteration time; paired: the median over rounds "
+          "of parcae / plain within each round, which the bar is judged on. CPU: user + system time per counted "
           "iteration, all rounds together, of the training processes and of the run's other processes "
           "(plain: torchrun's agent; parcae: etcd + coordinator). round wall ratios: parcae / plain medians "
           "within each round (how far machine noise moves them).")
