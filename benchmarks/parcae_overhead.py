@@ -34,9 +34,11 @@ and the median of those ratios over the rounds (only a round's two runs share a 
 of the machine's drift). The figure within a round is the median without snapshots
 (--copy-interval 0; bar 2%) and the mean with them (bar 3%; issue 18: every K steps each
 worker snapshots its state and sends a copy to its buddy, one iteration in K pays it).
-Exits 1 if a run fails or the bar is missed.
+Exits 1 if a run fails or the bar is missed. `--control` puts a second plain run where
+the parcae one was (A/A): its ratios are the machine's noise floor for the bar.
 
-    nice python -m benchmarks.parcae_overhead [--iterations 30] [--rounds 3] [--copy-interval K] [--json PATH]
+    nice python -m benchmarks.parcae_overhead [--iterations 30] [--rounds 3] [--copy-interval K] [--control]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ WARMUP = 5
 BAR_PERCENT = 2.0  # without snapshots (--copy-interval 0), on the median
 COPIES_BAR_PERCENT = 3.0  # with them, on the mean: a snapshot lands in one iteration of K
 COPIES = ["--parcae-copy-interval", "10"]  # the workers' snapshots (--copy-interval)
+CONTROL = [False]  # --control: the "parcae" run is a second plain one
 RUN_LIMIT_S = 300.0  # per run; runs taking turns share the sum
 SLICE_S = 3.0  # a turn: how long one run trains while the other is paused
 PAUSE_MARGIN_S = 0.05  # an iteration this close to a pause counts as paused in
@@ -418,8 +421,11 @@ def measure_round(processes: int, iterations: int, config: Path, workdir: Path, 
     try:
         for mode in MODES if number % 2 == 0 else reversed(MODES):
             events = workdir / f"{mode}-{processes}-{number}.events.jsonl"  # the workers of a run share it
-            runs.append(start_plain(processes, iterations, events, started) if mode == "plain"
-                        else start_parcae(processes, iterations, config, events, server, started))
+            if mode == "plain" or CONTROL[0]:
+                runs.append(start_plain(processes, iterations, events, started))
+                runs[-1].mode = mode
+            else:
+                runs.append(start_parcae(processes, iterations, config, events, server, started))
         try:
             turns_ended = follow(runs)
         except RunFailed as exc:
@@ -500,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the parcae workers' snapshots with buddy copies every K steps (default 10, as "
                              "--parcae-copy-interval; 0: none). The bar is 2%% on the median without them, 3%% on "
                              "the mean with them")
+    parser.add_argument("--control", action="store_true",
+                        help="an A/A control: the run in the parcae slot is plain torchrun too, so the ratios "
+                             "show what the machine's noise alone makes of them")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures to this file")
     args = parser.parse_args(argv)
     if args.bf16:
@@ -508,12 +517,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--iterations must exceed {WARMUP + 1}, --rounds and --processes be at least 1, "
                      "--copy-interval at least 0")
     COPIES[1] = str(args.copy_interval)
+    CONTROL[0] = args.control
 
     from megatron_parcae.training.data.corpus import prepare_tiny_datasets
 
     prepare_tiny_datasets(REPO / "data")
     print(f"GPT-tiny ({CONFIG}), T=1 P=1 D=N, {args.iterations} iterations per run (first {WARMUP} after the plan "
-          f"not counted), {args.rounds} rounds of plain torchrun and --parcae (etcd + coordinator + N workers) "
+          f"not counted), {args.rounds} rounds of plain torchrun and "
+          f"{'plain torchrun again (--control)' if args.control else '--parcae (etcd + coordinator + N workers)'} "
           f"taking turns of {SLICE_S:g} s; {os.cpu_count()} CPU cores", flush=True)
     comparisons: list[Comparison] = []
     interrupt_on_signals()  # SIGTERM stops the run's etcd, coordinator and workers as Ctrl-C does
@@ -533,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(["python -m benchmarks.parcae_overhead", *argv]), "commit": provenance.commit(),
             "config": CONFIG, "iterations": args.iterations, "warmup_iterations": WARMUP, "rounds": args.rounds,
             "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg(), "turn_seconds": SLICE_S,
-            "copy_interval": args.copy_interval,
+            "copy_interval": args.copy_interval, "control": args.control,
             "bar_percent": COPIES_BAR_PERCENT if args.copy_interval else BAR_PERCENT,
             "met": met, "results": [c.to_dict() for c in comparisons],
         }
