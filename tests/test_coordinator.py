@@ -153,6 +153,7 @@ def test_first_plan_covers_the_initial_members_and_a_notice_removes_a_worker(etc
             assert 2 not in second.workers and second.workers <= {0, 1}
             plan = migration(store, 2)
             assert plan.request.leaving == {2} and plan.request.survivors == {0, 1}
+            decision(store, 2)  # the state is saved just after the plan
             state = store.coordinator_state()
             assert [d["generation"] for d in state.decisions] == [1, 2]
             assert state.decisions[0]["kind"] == "start" and "notice from workers [2]" in state.decisions[1]["reason"]

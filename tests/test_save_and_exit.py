@@ -36,7 +36,8 @@ def test_job_noticed_at_once_saves_exits_and_resumes_losing_no_step(live_job, un
     # The coordinator asked them to save and exit; they saved the iteration the job got to.
     generation = store.current_generation()
     assert store.plan(generation).action == SAVE_AND_EXIT
-    decided = next(d for d in store.coordinator_state().decisions if d["generation"] == generation)
+    decided = wait_for(lambda: next((d for d in store.coordinator_state().decisions if d["generation"] == generation),
+                                    None), 30, "the coordinator's saved decision")  # saved just after the plan
     assert decided["kind"] == SAVE_AND_EXIT and "save a checkpoint and exit" in decided["reason"]
     reached = store.progress().iteration
     saved = [e for e in worker_events(logs) if isinstance(e, Save)][-1]
