@@ -144,7 +144,7 @@ def test_progress_is_written_by_the_next_boundary_outlives_the_worker_and_not_by
     agent.progress_written()
     assert store.progress().to_dict() | {"recorded_at": 0} == {"generation": 1, "iteration": 3,
                                                                "consumed_samples": 24, "recorded_at": 0,
-                                                               "copies": 0}
+                                                               "copies": 0, "raised": False}
     assert store.fence_member(3)
     agent.record_progress(4, 32)
     agent.progress_written()
@@ -179,15 +179,17 @@ def test_a_survivor_raises_the_record_to_what_it_trained_but_never_past_a_newer_
     agent.acknowledge(1)
     agent.record_progress(8, 64)
     agent.progress_written()
+    assert not store.progress().raised
     assert not agent.raise_progress(7, 56, generation=1)  # behind the record: kept
     assert agent.raise_progress(10, 80, generation=1, copies=1)  # rank 0 died holding its newer record
+    # Marked raised: it says what a survivor trained, not what rank 0 logged.
     assert store.progress().to_dict() | {"recorded_at": 0} == {"generation": 1, "iteration": 10,
                                                                "consumed_samples": 80, "recorded_at": 0,
-                                                               "copies": 1}
+                                                               "copies": 1, "raised": True}
     assert store.publish_plan(envelope(2, [3]))
     agent.record_progress(5, 40, generation=2)  # a restart went back to iteration 5
     assert not agent.raise_progress(10, 80, generation=1)  # a late survivor of generation 1
-    assert store.progress().iteration == 5
+    assert store.progress().iteration == 5 and not store.progress().raised
     assert store.fence_member(3)
     assert not agent.raise_progress(12, 96, generation=2)  # no longer a member
     assert store.progress().iteration == 5

@@ -447,7 +447,7 @@ class ParcaeAgent:
         the record as it is)."""
         self.progress_written()
         assert self._lease is not None
-        record = ProgressRecord(generation, iteration, consumed_samples, time.time(), copies)
+        record = ProgressRecord(generation, iteration, consumed_samples, time.time(), copies, raised=True)
         try:
             return self._store.raise_progress(record, self.worker_id, self._lease.id)
         except (EtcdError, SchemaError) as exc:

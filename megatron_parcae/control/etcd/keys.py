@@ -299,10 +299,11 @@ class ProgressRecord(Record):
     consumed_samples: int
     recorded_at: float
     copies: int = 0  # the generation of the workers' newest committed snapshots (reconfig/copies.py); 0: none
+    raised: bool = False  # by a survivor (raise_progress): rank 0's own record, after its log, said less
 
     SCHEMA = {"generation": Field(int, 1, MAX_GENERATION), "iteration": Field(int, 0, 2**53),
               "consumed_samples": Field(int, 0, 2**53), "recorded_at": _TIME,
-              "copies": Field(int, 0, MAX_GENERATION, absent=0)}
+              "copies": Field(int, 0, MAX_GENERATION, absent=0), "raised": Field(bool, absent=False)}
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,7 @@ class LiveReconfiguration:
         held = None if self.args.use_distributed_optimizer else export_held_state(runtime)
         release_runtime(runtime)
         self._report_broken(self.generation, consumed_samples, error, self._state_of if held is not None else 0)
-        self._recorded_when_broken = self._recorded_samples()
+        self._recorded_when_broken = self._recorded_samples(by_rank_0=True)
         if self._recorded_when_broken < consumed_samples:  # after the read: `logs_again` asks what rank 0 recorded
             self.agent.raise_progress(consumed_samples // self.samples_per_iteration, consumed_samples,
                                       self.generation, self._copies_generation)
@@ -687,15 +687,19 @@ class LiveReconfiguration:
                 source=source or "the seed", lost_steps=max(0, int(known) - consumed_samples) // gbs))
         return runtime, consumed_samples
 
-    def _recorded_samples(self) -> int:
-        """The samples the job's progress record says were consumed (0 without one)."""
+    def _recorded_samples(self, by_rank_0: bool = False) -> int:
+        """The samples the job's progress record says were consumed (0 without one).
+        `by_rank_0`: what rank 0 recorded, which says what it logged; below a record that
+        a survivor raised (another survivor of the same break may have raised it first)."""
         self.agent.progress_written()  # this worker's own record, if one is in flight
         try:
             recorded = self._etcd("read the job's progress", self.store.progress)
         except SchemaError as exc:
             print(f" worker {self.world.worker}: ignoring the job's progress record: {exc}", flush=True)
             recorded = None
-        return 0 if recorded is None else recorded.consumed_samples
+        if recorded is None:
+            return 0
+        return recorded.consumed_samples - 1 if by_rank_0 and recorded.raised else recorded.consumed_samples
 
     def _check_buildable(self, generation: int, p: Parallelism) -> None:
         """Refuse a layout this run's model or batch cannot take (every worker refuses alike)."""
