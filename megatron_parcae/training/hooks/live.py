@@ -68,7 +68,7 @@ from megatron_parcae.training.device import collective_timeout, first_step_timeo
 from megatron_parcae.control.agent import ParcaeAgent
 from megatron_parcae.control.etcd.client import EtcdClient, EtcdGone, EtcdUnavailable
 from megatron_parcae.control.etcd.keys import (SAVE_AND_EXIT, DoneRecord, JobStore, PlanEnvelope, ProfileRecord,
-                                               SchemaError)
+                                               ProgressRecord, SchemaError)
 from megatron_parcae.control.etcd.store import EtcdStore
 from megatron_parcae.control.notices import build_watcher
 from megatron_parcae.training.network import measure_network
@@ -175,7 +175,7 @@ class LiveReconfiguration:
         self._state_of = 0
         self._state_layout: Layout | None = None
         self._recovered_from: Layout | None = None  # the layout the newest `recover` came from
-        self._recorded_when_broken = 0  # the samples the job's record held then
+        self._recorded_when_broken: ProgressRecord | None = None  # the job's record then
 
     # -- the training loop's calls ---------------------------------------------------
 
@@ -282,12 +282,16 @@ class LiveReconfiguration:
 
     def logs_again(self, consumed_samples: int) -> bool:
         """Rank 0 records a step after logging it, so a record of it when WORLD broke says it
-        was logged (a rollback or a restart records where training went back to)."""
-        old, new = self._recovered_from, self._state_layout
+        was logged (a rollback or a restart records where training went back to). A record
+        a survivor raised (another survivor of the same break may have been first) says only
+        that rank 0's was below it."""
+        old, new, recorded = self._recovered_from, self._state_layout, self._recorded_when_broken
         if old is None or new is None:
             return False
         keepers = [w for w in new.slots if w in old.workers]
-        return keepers[:1] == [self.world.worker] and self._recorded_when_broken < consumed_samples
+        logged = recorded is not None and (recorded.consumed_samples > consumed_samples if recorded.raised
+                                           else recorded.consumed_samples >= consumed_samples)
+        return keepers[:1] == [self.world.worker] and not logged
 
     def can_recover(self, error: BaseException) -> bool:
         """A peer died or stalled: its survivors carry on without it."""
@@ -308,8 +312,8 @@ class LiveReconfiguration:
         held = None if self.args.use_distributed_optimizer else export_held_state(runtime)
         release_runtime(runtime)
         self._report_broken(self.generation, consumed_samples, error, self._state_of if held is not None else 0)
-        self._recorded_when_broken = self._recorded_samples(by_rank_0=True)
-        if self._recorded_when_broken < consumed_samples:  # after the read: `logs_again` asks what rank 0 recorded
+        recorded = self._recorded_when_broken = self._progress_record()
+        if recorded is None or recorded.consumed_samples < consumed_samples:  # after the read: see `logs_again`
             self.agent.raise_progress(consumed_samples // self.samples_per_iteration, consumed_samples,
                                       self.generation, self._copies_generation)
         return self._await_plan(held, consumed_samples)
@@ -687,19 +691,19 @@ class LiveReconfiguration:
                 source=source or "the seed", lost_steps=max(0, int(known) - consumed_samples) // gbs))
         return runtime, consumed_samples
 
-    def _recorded_samples(self, by_rank_0: bool = False) -> int:
-        """The samples the job's progress record says were consumed (0 without one).
-        `by_rank_0`: what rank 0 recorded, which says what it logged; below a record that
-        a survivor raised (another survivor of the same break may have raised it first)."""
+    def _progress_record(self) -> ProgressRecord | None:
+        """The job's progress record (None without one)."""
         self.agent.progress_written()  # this worker's own record, if one is in flight
         try:
-            recorded = self._etcd("read the job's progress", self.store.progress)
+            return self._etcd("read the job's progress", self.store.progress)
         except SchemaError as exc:
             print(f" worker {self.world.worker}: ignoring the job's progress record: {exc}", flush=True)
-            recorded = None
-        if recorded is None:
-            return 0
-        return recorded.consumed_samples - 1 if by_rank_0 and recorded.raised else recorded.consumed_samples
+            return None
+
+    def _recorded_samples(self) -> int:
+        """The samples the job's progress record says were consumed (0 without one)."""
+        recorded = self._progress_record()
+        return 0 if recorded is None else recorded.consumed_samples
 
     def _check_buildable(self, generation: int, p: Parallelism) -> None:
         """Refuse a layout this run's model or batch cannot take (every worker refuses alike)."""
