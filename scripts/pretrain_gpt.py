@@ -3,9 +3,11 @@
 Flags are Megatron-LM's (see `--help`); `--config FILE.yaml` supplies them from a file.
 """
 
+import gc
 import sys
 
 if __name__ == "__main__":
+    gc.disable()  # until torch and megatron-core are imported: see pretrain()
     # Imported here: the process the checkpoint writer's results queue is served from
     # imports this file again as a module, and needs none of the training code.
     from megatron_parcae.training.pretrain import pretrain

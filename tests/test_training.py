@@ -6,6 +6,7 @@ configs' data (the Python documentation).
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import subprocess
@@ -139,3 +140,18 @@ def test_config_loader_gives_only_clear_errors(tiny_data, tmp_path_factory, load
         assert str(exc) and "\n" not in str(exc)
         return
     assert math.isfinite(args.lr) and args.num_layers % args.pipeline_model_parallel_size == 0
+
+
+def test_collection_resumes_with_the_imports_frozen_and_only_where_the_script_paused_it():
+    from megatron_parcae.training.pretrain import _collect_from_now_on
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    _collect_from_now_on()  # a test or library calling pretrain(): nothing changes
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()  # as scripts/pretrain_*.py do before importing torch
+    try:
+        _collect_from_now_on()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.enable()
