@@ -42,7 +42,7 @@ def pretrain(model: str, argv: list[str] | None = None) -> int:
 
 def _collect_from_now_on() -> None:
     """The scripts import with the cyclic collector paused: torch and megatron-core make
-    about 290,000 objects at import, which it would walk again and again (a fifth of a
+    about 290,000 objects at import, which it would walk again and again (a sixth of a
     process's start, benchmarks/results/startup_cpu.txt). They live as long as the
     process, so they are frozen out of its sight before collection resumes. A caller
     that left the collector on (a test, a library user) is left as it was."""
