@@ -46,6 +46,17 @@ def _fenced_exit() -> int:
     return 0 if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1 else FENCED_EXIT
 
 
+def _collect_from_now_on() -> None:
+    """All built so far lives as long as the process: frozen out of the cyclic collector's
+    sight, it is not scanned again by its full collections (a dropped layout needs none:
+    reference counting frees it, training/teardown.py). scripts/pretrain_*.py import and
+    set up with the collector paused, as torch and megatron-core make about 290,000
+    objects it would walk again and again (a sixth of a process's start,
+    benchmarks/results/startup_cpu.txt); it collects from here on."""
+    gc.freeze()
+    gc.enable()
+
+
 def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None = None) -> int:
     """Train as `args` say; the arguments were validated before any process group exists.
 
@@ -69,10 +80,7 @@ def run_training(args: argparse.Namespace, prog: str, client: EtcdClient | None 
 
     hook = build_hook(args, vocab, LayoutRuntime, client, before_change=before_change)
     dataset, valid_dataset = build_datasets(args, tokenizer)
-    # All built so far lives as long as the process. Out of the cyclic collector's sight,
-    # it is not scanned again by the collector's full collections. A dropped layout needs
-    # none: reference counting frees it (training/teardown.py).
-    gc.freeze()
+    _collect_from_now_on()
     finished = None
     try:
         try:

@@ -6,7 +6,6 @@ loaded, so a bad flag fails in a fraction of a second with one line, on every ra
 
 from __future__ import annotations
 
-import gc
 import os
 import sys
 
@@ -36,16 +35,4 @@ def pretrain(model: str, argv: list[str] | None = None) -> int:
     import_megatron_core()
     from megatron_parcae.training.loop import run_training
 
-    _collect_from_now_on()
     return run_training(args, prog, client)
-
-
-def _collect_from_now_on() -> None:
-    """The scripts import with the cyclic collector paused: torch and megatron-core make
-    about 290,000 objects at import, which it would walk again and again (a sixth of a
-    process's start, benchmarks/results/startup_cpu.txt). They live as long as the
-    process, so they are frozen out of its sight before collection resumes. A caller
-    that left the collector on (a test, a library user) is left as it was."""
-    if not gc.isenabled():
-        gc.freeze()
-        gc.enable()
