@@ -1,5 +1,6 @@
 """What a training process's start costs in CPU time, with the cyclic collector paused
-while torch and megatron-core are imported (as scripts/pretrain_*.py do) and without.
+while torch and megatron-core are imported and training is set up (as
+scripts/pretrain_*.py do) and without.
 
 Every worker that joins a live job, every restart and every process the tests start
 pays for these imports. The runs alternate one by one (a shared machine's drift falls on
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
              f"# {os.cpu_count()} CPU cores, OMP_NUM_THREADS=1; scripts/pretrain_gpt.py, the tests' GPT, 2 iterations "
              f"on one process; {args.rounds} rounds, the two alternating; medians", ""]
     lines += [f"{arm}: {r['cpu_seconds']:.2f} s CPU, {r['wall_seconds']:.2f} s wall" for arm, r in rows.items()]
-    lines.append(f"pausing the collector while importing saves {saved:.1%} of the process's CPU time")
+    lines.append(f"pausing the collector through imports and set-up saves {saved:.1%} of the process's CPU time")
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
