@@ -61,6 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from benchmarks import provenance
+
 if TYPE_CHECKING:
     from megatron_parcae.control.etcd import EtcdClient, EtcdServer, JobKeys
 
@@ -721,14 +723,6 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _git(*args: str) -> str | None:
-    try:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.control_plane", description=__doc__.split("\n\n")[0])
     parser.add_argument("--instances", type=int, required=True, help="instances (one agent each) at the start")
@@ -780,8 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="parcae-control-plane-"))
     workdir.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python -m benchmarks.control_plane", *argv])
-    head = {"command": command, "commit": _git("rev-parse", "--short", "HEAD"),
-            "tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+    head = {"command": command, "commit": provenance.commit()}
     run = ControlPlaneRun(args, workdir)
     try:
         result = {**head, **run.run()}
