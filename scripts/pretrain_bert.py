@@ -7,7 +7,7 @@ import gc
 import sys
 
 if __name__ == "__main__":
-    gc.disable()  # while torch and megatron-core are imported: see training/loop.py
+    gc.disable()  # through imports and set-up, until the loop freezes what they built: training/loop.py
     # Imported here: the process the checkpoint writer's results queue is served from
     # imports this file again as a module, and needs none of the training code.
     from megatron_parcae.training.pretrain import pretrain
