@@ -65,7 +65,7 @@ def test_coordinator_restart_mid_run_applies_every_plan_once(live_job, uninterru
     # The plan agreement of every boundary ran on the control plane (the fixture checks
     # that no collective broke the planes).
     sites, _ = read_findings(logs / "probe")
-    assert ("megatron_parcae/training/hooks/live.py:_agree:all_reduce", "control") in sites, sites
+    assert ("megatron_parcae/training/hooks/live.py:_post_agreement:all_reduce", "control") in sites, sites
 
 
 def test_the_first_layout_on_two_instances_measures_the_network_the_coordinator_plans_with(live_job):
