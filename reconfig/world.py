@@ -40,7 +40,10 @@ _TIMEOUT = timedelta(minutes=10)
 _MEET_POLL_SECONDS = 0.05
 _GENERATION_KEY = re.compile(r"^g(\d+)(/|$)")
 # What gloo and NCCL say when a peer is gone or silent (they raise plain RuntimeErrors).
-_PEER_FAILURE = re.compile(r"gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Tt]imed out|[Bb]roken pipe")
+# Once one gloo operation times out, its context closes every pair, and the operations
+# queued behind it (a checkpoint's barrier behind the plan agreement in flight) say only that.
+_PEER_FAILURE = re.compile(r"gloo|NCCL|[Cc]onnection (closed|reset|refused)|[Tt]imed out|[Bb]roken pipe"
+                           r"|timeout caused pair closure")
 
 
 def process_group_backend() -> str:

@@ -17,11 +17,26 @@ from helpers import ITERS, paced_while, wait_for, with_hooks
 from megatron_parcae.events import Iteration, PlanPublished, read_events
 from reconfig import compat
 from reconfig.timeouts import EXCHANGE_FLOOR, exchange_timeout
-from reconfig.world import World, WorldBroken, longest_timeout, patient, set_timeouts
+from reconfig.world import World, WorldBroken, is_peer_failure, longest_timeout, patient, set_timeouts
 
 STEADY = timedelta(seconds=5)
 LONG = timedelta(minutes=10)
 
+
+
+@pytest.mark.parametrize("message", [
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:42377: Connection reset by peer",
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation",
+    # What an operation in flight hears once another one on its context timed out.
+    "Application timeout caused pair closure",
+])
+def test_what_gloo_says_of_a_lost_or_silent_peer_is_a_peer_failure(message):
+    assert is_peer_failure(RuntimeError(message))
+
+
+def test_an_error_of_this_process_is_not_a_peer_failure():
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)"))
+    assert not is_peer_failure(ValueError("Application timeout caused pair closure"))
 
 def test_an_exchange_waits_its_bytes_over_the_link_with_a_margin_and_at_least_the_floor():
     assert exchange_timeout(0, 1e9) == EXCHANGE_FLOOR
