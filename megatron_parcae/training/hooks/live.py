@@ -203,8 +203,9 @@ class LiveReconfiguration:
                 self._post_agreement(iteration)
             agreed = self._answer_agreement()
         newest, cut_off = agreed
-        if (newest > self.generation or cut_off) and self._agreeing is not None:
-            # Answered before the change's own collectives; every rank posted it.
+        if (newest > self.generation or cut_off or self._copies_due(iteration)) and self._agreeing is not None:
+            # Answered before the change's or the snapshot's own collectives (every rank posted
+            # it): a peer lost in the step fails it before a snapshot drops the one held.
             later, later_cut_off = self._answer_agreement()
             newest, cut_off = max(newest, later), cut_off or later_cut_off
         if cut_off:
@@ -243,11 +244,8 @@ class LiveReconfiguration:
         """Snapshot the layout's state with its buddies' copies, when due (every worker of the
         layout decides alike: same generation, same iteration). A layout of one worker takes
         none: losing that worker loses the job, and no peer has a step to roll back to it."""
-        if self.snapshots is None or len(self.world.members) < 2:
-            return
         iteration = consumed_samples // self.samples_per_iteration
-        first = self.snapshots.generation != self.generation
-        if not first and iteration % self.args.parcae_copy_interval:
+        if not self._copies_due(iteration):
             return
         started = time.perf_counter()
         me, holders = self.world.worker, self._copy_holders
@@ -266,6 +264,12 @@ class LiveReconfiguration:
                 ward is not None and ward not in peers, committed=snapshot is not None,
                 damaged=self.snapshots.damaged_exchanges - damaged, host_mib=self.snapshots.host_bytes() / 2**20,
                 allocations=self.snapshots.allocations))
+
+    def _copies_due(self, iteration: int) -> bool:
+        """Whether this boundary takes snapshots (every rank of the layout decides alike)."""
+        if self.snapshots is None or len(self.world.members) < 2:
+            return False
+        return self.snapshots.generation != self.generation or iteration % self.args.parcae_copy_interval == 0
 
     def trained(self, consumed_samples: int) -> None:
         """A step was applied and rank 0 logged it: rank 0 records how far the job got (so
